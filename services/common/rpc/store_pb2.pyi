@@ -1,0 +1,430 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    DRAM: _ClassVar[Tier]
+    SSD: _ClassVar[Tier]
+
+class Placement(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PLACEMENT_UNSPECIFIED: _ClassVar[Placement]
+    LOCAL_FIRST: _ClassVar[Placement]
+    PREFERRED: _ClassVar[Placement]
+    MOST_FREE: _ClassVar[Placement]
+TIER_UNSPECIFIED: Tier
+DRAM: Tier
+SSD: Tier
+PLACEMENT_UNSPECIFIED: Placement
+LOCAL_FIRST: Placement
+PREFERRED: Placement
+MOST_FREE: Placement
+
+class SegmentInfo(_message.Message):
+    __slots__ = ("name", "tier", "size", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tier: Tier
+    size: int
+    path: str
+    def __init__(self, name: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., size: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+
+class Replica(_message.Message):
+    __slots__ = ("node_id", "address", "host_id", "segment", "tier", "offset", "segment_path", "segment_size")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_PATH_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_SIZE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    host_id: str
+    segment: str
+    tier: Tier
+    offset: int
+    segment_path: str
+    segment_size: int
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., host_id: _Optional[str] = ..., segment: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., offset: _Optional[int] = ..., segment_path: _Optional[str] = ..., segment_size: _Optional[int] = ...) -> None: ...
+
+class InventoryItem(_message.Message):
+    __slots__ = ("key", "segment", "offset", "size", "checksum")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    segment: str
+    offset: int
+    size: int
+    checksum: int
+    def __init__(self, key: _Optional[str] = ..., segment: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class RegisterNodeRequest(_message.Message):
+    __slots__ = ("node_id", "address", "host_id", "segments", "inventory")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    INVENTORY_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    host_id: str
+    segments: _containers.RepeatedCompositeFieldContainer[SegmentInfo]
+    inventory: _containers.RepeatedCompositeFieldContainer[InventoryItem]
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., host_id: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., inventory: _Optional[_Iterable[_Union[InventoryItem, _Mapping]]] = ...) -> None: ...
+
+class RegisterNodeResponse(_message.Message):
+    __slots__ = ("master_id", "heartbeat_interval_ms", "restored_objects")
+    MASTER_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    master_id: str
+    heartbeat_interval_ms: int
+    restored_objects: int
+    def __init__(self, master_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., restored_objects: _Optional[int] = ...) -> None: ...
+
+class SegmentUsage(_message.Message):
+    __slots__ = ("name", "used")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    used: int
+    def __init__(self, name: _Optional[str] = ..., used: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node_id", "usage")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    usage: _containers.RepeatedCompositeFieldContainer[SegmentUsage]
+    def __init__(self, node_id: _Optional[str] = ..., usage: _Optional[_Iterable[_Union[SegmentUsage, _Mapping]]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("reregister", "master_id")
+    REREGISTER_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ID_FIELD_NUMBER: _ClassVar[int]
+    reregister: bool
+    master_id: str
+    def __init__(self, reregister: _Optional[bool] = ..., master_id: _Optional[str] = ...) -> None: ...
+
+class NodeCommand(_message.Message):
+    __slots__ = ("id", "kind", "key", "segment", "offset", "size", "checksum", "src_segment", "src_offset")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[NodeCommand.Kind]
+        COMMITTED: _ClassVar[NodeCommand.Kind]
+        FREED: _ClassVar[NodeCommand.Kind]
+        COPY: _ClassVar[NodeCommand.Kind]
+    KIND_UNSPECIFIED: NodeCommand.Kind
+    COMMITTED: NodeCommand.Kind
+    FREED: NodeCommand.Kind
+    COPY: NodeCommand.Kind
+    ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    SRC_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    SRC_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    kind: NodeCommand.Kind
+    key: str
+    segment: str
+    offset: int
+    size: int
+    checksum: int
+    src_segment: str
+    src_offset: int
+    def __init__(self, id: _Optional[int] = ..., kind: _Optional[_Union[NodeCommand.Kind, str]] = ..., key: _Optional[str] = ..., segment: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., src_segment: _Optional[str] = ..., src_offset: _Optional[int] = ...) -> None: ...
+
+class NodeCommandsRequest(_message.Message):
+    __slots__ = ("node_id", "master_id")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    master_id: str
+    def __init__(self, node_id: _Optional[str] = ..., master_id: _Optional[str] = ...) -> None: ...
+
+class CommandDoneRequest(_message.Message):
+    __slots__ = ("node_id", "id", "ok", "error")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    id: int
+    ok: bool
+    error: str
+    def __init__(self, node_id: _Optional[str] = ..., id: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
+
+class CommandDoneResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PutStartRequest(_message.Message):
+    __slots__ = ("key", "size", "replicas", "placement", "preferred_segment", "client_host_id")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    PREFERRED_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    size: int
+    replicas: int
+    placement: Placement
+    preferred_segment: str
+    client_host_id: str
+    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., replicas: _Optional[int] = ..., placement: _Optional[_Union[Placement, str]] = ..., preferred_segment: _Optional[str] = ..., client_host_id: _Optional[str] = ...) -> None: ...
+
+class PutStartResponse(_message.Message):
+    __slots__ = ("put_id", "replicas", "exists")
+    PUT_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    EXISTS_FIELD_NUMBER: _ClassVar[int]
+    put_id: int
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    exists: bool
+    def __init__(self, put_id: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., exists: _Optional[bool] = ...) -> None: ...
+
+class PutEndRequest(_message.Message):
+    __slots__ = ("key", "put_id", "checksum")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PUT_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    put_id: int
+    checksum: int
+    def __init__(self, key: _Optional[str] = ..., put_id: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class PutEndResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PutRevokeRequest(_message.Message):
+    __slots__ = ("key", "put_id")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PUT_ID_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    put_id: int
+    def __init__(self, key: _Optional[str] = ..., put_id: _Optional[int] = ...) -> None: ...
+
+class PutRevokeResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class BatchPutStartRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[PutStartRequest]
+    def __init__(self, items: _Optional[_Iterable[_Union[PutStartRequest, _Mapping]]] = ...) -> None: ...
+
+class PutStartResult(_message.Message):
+    __slots__ = ("ok", "error", "error_code")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ok: PutStartResponse
+    error: str
+    error_code: str
+    def __init__(self, ok: _Optional[_Union[PutStartResponse, _Mapping]] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ...) -> None: ...
+
+class BatchPutStartResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[PutStartResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[PutStartResult, _Mapping]]] = ...) -> None: ...
+
+class BatchPutEndRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[PutEndRequest]
+    def __init__(self, items: _Optional[_Iterable[_Union[PutEndRequest, _Mapping]]] = ...) -> None: ...
+
+class BatchPutEndResponse(_message.Message):
+    __slots__ = ("errors",)
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    errors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, errors: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetReplicasRequest(_message.Message):
+    __slots__ = ("keys", "lease_ms", "client_host_id")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    lease_ms: int
+    client_host_id: str
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., lease_ms: _Optional[int] = ..., client_host_id: _Optional[str] = ...) -> None: ...
+
+class ObjectReplicas(_message.Message):
+    __slots__ = ("found", "size", "checksum", "replicas")
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    size: int
+    checksum: int
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    def __init__(self, found: _Optional[bool] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+
+class GetReplicasResponse(_message.Message):
+    __slots__ = ("objects", "lease_id", "lease_expires_unix_ms")
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    objects: _containers.RepeatedCompositeFieldContainer[ObjectReplicas]
+    lease_id: int
+    lease_expires_unix_ms: int
+    def __init__(self, objects: _Optional[_Iterable[_Union[ObjectReplicas, _Mapping]]] = ..., lease_id: _Optional[int] = ..., lease_expires_unix_ms: _Optional[int] = ...) -> None: ...
+
+class ReleaseLeaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+
+class ReleaseLeaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ExistsRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ExistsResponse(_message.Message):
+    __slots__ = ("exists", "prefix_len")
+    EXISTS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_LEN_FIELD_NUMBER: _ClassVar[int]
+    exists: _containers.RepeatedScalarFieldContainer[bool]
+    prefix_len: int
+    def __init__(self, exists: _Optional[_Iterable[bool]] = ..., prefix_len: _Optional[int] = ...) -> None: ...
+
+class RemoveRequest(_message.Message):
+    __slots__ = ("keys", "force")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    force: bool
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class RemoveResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, removed: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("keys", "pin")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PIN_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    pin: bool
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., pin: _Optional[bool] = ...) -> None: ...
+
+class PinResponse(_message.Message):
+    __slots__ = ("ok",)
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ok: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, ok: _Optional[_Iterable[bool]] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("node_id",)
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+
+class BlockEvent(_message.Message):
+    __slots__ = ("seq", "kind", "key", "node_id", "segment", "tier", "size", "unix_ms")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[BlockEvent.Kind]
+        STORED: _ClassVar[BlockEvent.Kind]
+        EVICTED: _ClassVar[BlockEvent.Kind]
+        REMOVED: _ClassVar[BlockEvent.Kind]
+        SPILLED: _ClassVar[BlockEvent.Kind]
+        PROMOTED: _ClassVar[BlockEvent.Kind]
+    KIND_UNSPECIFIED: BlockEvent.Kind
+    STORED: BlockEvent.Kind
+    EVICTED: BlockEvent.Kind
+    REMOVED: BlockEvent.Kind
+    SPILLED: BlockEvent.Kind
+    PROMOTED: BlockEvent.Kind
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    kind: BlockEvent.Kind
+    key: str
+    node_id: str
+    segment: str
+    tier: Tier
+    size: int
+    unix_ms: int
+    def __init__(self, seq: _Optional[int] = ..., kind: _Optional[_Union[BlockEvent.Kind, str]] = ..., key: _Optional[str] = ..., node_id: _Optional[str] = ..., segment: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., size: _Optional[int] = ..., unix_ms: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SegmentStats(_message.Message):
+    __slots__ = ("name", "node_id", "tier", "size", "used", "objects")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    USED_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    node_id: str
+    tier: Tier
+    size: int
+    used: int
+    objects: int
+    def __init__(self, name: _Optional[str] = ..., node_id: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., size: _Optional[int] = ..., used: _Optional[int] = ..., objects: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("master_id", "objects", "pending_puts", "nodes", "segments", "evictions", "spills", "promotions", "meta_bytes_estimate")
+    MASTER_ID_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_PUTS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    SPILLS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    META_BYTES_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
+    master_id: str
+    objects: int
+    pending_puts: int
+    nodes: int
+    segments: _containers.RepeatedCompositeFieldContainer[SegmentStats]
+    evictions: int
+    spills: int
+    promotions: int
+    meta_bytes_estimate: int
+    def __init__(self, master_id: _Optional[str] = ..., objects: _Optional[int] = ..., pending_puts: _Optional[int] = ..., nodes: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., evictions: _Optional[int] = ..., spills: _Optional[int] = ..., promotions: _Optional[int] = ..., meta_bytes_estimate: _Optional[int] = ...) -> None: ...
