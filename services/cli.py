@@ -1,0 +1,226 @@
+"""The `mooncake` command line: one entry point, a subcommand group per component.
+
+Every flag can also come from an environment variable (shown in `--help`), which is how the
+operator configures pods. Heavy imports happen inside commands so `--help` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+from typing import Any
+
+import click
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'1GiB' -> 1073741824, '512M' -> 512000000, '4096' -> 4096."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError(f"not a size: {text!r} (try 512MiB, 2GiB, 1000000)")
+    unit = (m.group(2) or "").lower().rstrip("b")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+class SizeType(click.ParamType):
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_size(str(value))
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+SIZE = SizeType()
+
+
+def _warn_no_token(token: str) -> None:
+    if not token:
+        click.echo(
+            "warning: no cluster token set (--token / MOONCAKE_CLUSTER_TOKEN); internal "
+            "endpoints accept anyone who can reach them",
+            err=True,
+        )
+
+
+def _check_bind(host: str, allow_any: bool) -> None:
+    if host in ("0.0.0.0", "::") and not allow_any:
+        raise click.BadParameter(
+            "refusing to bind every interface; pass --allow-any-address if you mean it",
+            param_hint="--host",
+        )
+
+
+@click.group()
+@click.version_option(package_name="mooncake-k8s")
+def main() -> None:
+    """Mooncake on Kubernetes: KV-cache-centric disaggregated LLM serving."""
+
+
+@main.group()
+def store() -> None:
+    """The distributed KV cache store: master, storage nodes, inspection."""
+
+
+_token_opt = click.option(
+    "--token", envvar="MOONCAKE_CLUSTER_TOKEN", default="", show_envvar=True,
+    help="Shared cluster token required on internal endpoints.",
+)
+_log_opts = [
+    click.option("--log-level", envvar="MOONCAKE_LOG_LEVEL", default="info", show_default=True,
+                 show_envvar=True, type=click.Choice(["debug", "info", "warning", "error"])),
+    click.option("--log-format", envvar="MOONCAKE_LOG_FORMAT", default="json", show_default=True,
+                 show_envvar=True, type=click.Choice(["json", "text"])),
+]
+
+
+def _with_logs(f: Any) -> Any:
+    for opt in reversed(_log_opts):
+        f = opt(f)
+    return f
+
+
+@store.command("master")
+@click.option("--host", envvar="MOONCAKE_MASTER_HOST", default="127.0.0.1", show_default=True,
+              show_envvar=True, help="Address to bind the gRPC server to.")
+@click.option("--port", envvar="MOONCAKE_MASTER_PORT", default=50051, show_default=True,
+              show_envvar=True, type=click.IntRange(0, 65535))
+@click.option("--metrics-port", envvar="MOONCAKE_MASTER_METRICS_PORT", default=9091,
+              show_default=True, show_envvar=True, type=click.IntRange(-1, 65535),
+              help="Prometheus /metrics port on the same host; 0 = any free port, -1 = off.")
+@_token_opt
+@click.option("--high-watermark", envvar="MOONCAKE_HIGH_WATERMARK", default=0.95,
+              show_default=True, show_envvar=True, type=click.FloatRange(0.05, 1.0),
+              help="Start evicting a segment above this fraction used.")
+@click.option("--low-watermark", envvar="MOONCAKE_LOW_WATERMARK", default=0.85,
+              show_default=True, show_envvar=True, type=click.FloatRange(0.0, 1.0),
+              help="Evict down to this fraction.")
+@click.option("--lease-ms", envvar="MOONCAKE_LEASE_MS", default=2000, show_default=True,
+              show_envvar=True, type=click.IntRange(1, 600_000),
+              help="Default read lease granted by lookups.")
+@click.option("--put-timeout-s", envvar="MOONCAKE_PUT_TIMEOUT_S", default=30.0,
+              show_default=True, show_envvar=True, type=click.FloatRange(0.1),
+              help="A put not ended within this time is revoked and its space reclaimed.")
+@click.option("--node-timeout-s", envvar="MOONCAKE_NODE_TIMEOUT_S", default=10.0,
+              show_default=True, show_envvar=True, type=click.FloatRange(0.5),
+              help="A node silent this long is dead; its replicas are dropped.")
+@click.option("--max-object-size", envvar="MOONCAKE_MAX_OBJECT_SIZE", default="1GiB",
+              show_default=True, show_envvar=True, type=SIZE)
+@click.option("--allow-any-address", is_flag=True, help="Permit binding 0.0.0.0.")
+@_with_logs
+def store_master(
+    host: str, port: int, metrics_port: int, token: str, high_watermark: float,
+    low_watermark: float, lease_ms: int, put_timeout_s: float, node_timeout_s: float,
+    max_object_size: int, allow_any_address: bool, log_level: str, log_format: str,
+) -> None:
+    """Run the store master (metadata, allocation, leases, eviction; never in the data path)."""
+    from mooncake_k8s.common.logs import setup_logging
+    from mooncake_k8s.store.master import MasterConfig, run_master
+
+    _check_bind(host, allow_any_address)
+    if low_watermark >= high_watermark:
+        raise click.BadParameter("must be below --high-watermark", param_hint="--low-watermark")
+    setup_logging("store-master", log_level, log_format == "json")
+    _warn_no_token(token)
+    run_master(
+        MasterConfig(
+            host=host, port=port, token=token,
+            metrics_port=None if metrics_port < 0 else metrics_port,
+            high_watermark=high_watermark, low_watermark=low_watermark, lease_ms=lease_ms,
+            put_timeout_s=put_timeout_s, node_timeout_s=node_timeout_s,
+            max_object_size=max_object_size,
+        )
+    )
+
+
+@store.command("node")
+@click.option("--master", envvar="MOONCAKE_MASTER", default="127.0.0.1:50051", show_default=True,
+              show_envvar=True, help="Master address host:port.")
+@click.option("--node-id", envvar="MOONCAKE_NODE_ID", default=None, show_envvar=True,
+              help="Unique node id [default: hostname-pid].")
+@click.option("--host", envvar="MOONCAKE_NODE_HOST", default="127.0.0.1", show_default=True,
+              show_envvar=True, help="Address the transfer server binds to.")
+@click.option("--port", envvar="MOONCAKE_NODE_PORT", default=0, show_default=True,
+              show_envvar=True, type=click.IntRange(0, 65535), help="Transfer port; 0 = any.")
+@click.option("--advertise-host", envvar="MOONCAKE_NODE_ADVERTISE_HOST", default=None,
+              show_envvar=True, help="Address clients dial, if not --host (e.g. the pod IP).")
+@click.option("--dram-size", envvar="MOONCAKE_DRAM_SIZE", default="1GiB", show_default=True,
+              show_envvar=True, type=SIZE, help="Host DRAM to serve (shared memory).")
+@click.option("--dram-segments", envvar="MOONCAKE_DRAM_SEGMENTS", default=1, show_default=True,
+              show_envvar=True, type=click.IntRange(1, 64))
+@click.option("--ssd-dir", envvar="MOONCAKE_SSD_DIR", default=None, show_envvar=True,
+              type=click.Path(file_okay=False), help="Directory for the SSD tier (optional).")
+@click.option("--ssd-size", envvar="MOONCAKE_SSD_SIZE", default="0", show_default=True,
+              show_envvar=True, type=SIZE)
+@click.option("--metrics-port", envvar="MOONCAKE_NODE_METRICS_PORT", default=9092,
+              show_default=True, show_envvar=True, type=click.IntRange(-1, 65535),
+              help="Prometheus /metrics port; 0 = any free port, -1 = off.")
+@_token_opt
+@click.option("--allow-any-address", is_flag=True, help="Permit binding 0.0.0.0.")
+@_with_logs
+def store_node(
+    master: str, node_id: str | None, host: str, port: int, advertise_host: str | None,
+    dram_size: int, dram_segments: int, ssd_dir: str | None, ssd_size: int, metrics_port: int,
+    token: str, allow_any_address: bool, log_level: str, log_format: str,
+) -> None:
+    """Run a storage node that serves DRAM (and optional SSD) segments to the transfer engine."""
+    from mooncake_k8s.common.logs import setup_logging
+    from mooncake_k8s.store.node import NodeConfig, run_node
+
+    _check_bind(host, allow_any_address)
+    if dram_size < 1 << 20:
+        raise click.BadParameter("at least 1MiB", param_hint="--dram-size")
+    if ssd_size and not ssd_dir:
+        raise click.BadParameter("--ssd-size needs --ssd-dir", param_hint="--ssd-size")
+    setup_logging("store-node", log_level, log_format == "json")
+    _warn_no_token(token)
+    run_node(
+        NodeConfig(
+            master=master, node_id=node_id or f"{socket.gethostname()}-{os.getpid()}",
+            token=token, host=host, port=port, advertise_host=advertise_host,
+            dram_size=dram_size, dram_segments=dram_segments, ssd_dir=ssd_dir,
+            ssd_size=ssd_size, metrics_port=None if metrics_port < 0 else metrics_port,
+        )
+    )
+
+
+@store.command("stats")
+@click.option("--master", envvar="MOONCAKE_MASTER", default="127.0.0.1:50051", show_default=True,
+              show_envvar=True)
+@_token_opt
+def store_stats(master: str, token: str) -> None:
+    """Print the master's view of the cluster as JSON."""
+    from google.protobuf.json_format import MessageToDict
+
+    from mooncake_k8s.common.errors import StoreError
+    from mooncake_k8s.store.client import StoreClient
+
+    try:
+        with StoreClient(master, token) as c:
+            click.echo(json.dumps(MessageToDict(c.stats()), indent=2))
+    except StoreError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+
+
+@store.command("demo")
+@click.option("--size", default="4MiB", show_default=True, type=SIZE, help="Object size.")
+def store_demo(size: int) -> None:
+    """Start a local store, put and get an object over shm and tcp, print stats, stop."""
+    from mooncake_k8s.store.demo import run_demo
+
+    run_demo(size, click.echo)
+
+
+if __name__ == "__main__":
+    main()

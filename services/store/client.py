@@ -1,0 +1,469 @@
+"""The store client: put / get / get_into / exists / remove over the master and transfer engine.
+
+The protocol is visible in the calls: `PutStart` (the master allocates), the client writes the
+bytes itself, then `PutEnd` (publish) or `PutRevoke` (free). Reads ask the master for replicas
+and a read lease, then copy straight into the caller's buffer from the nearest replica (shm on
+the same host, else tcp), verifying the xxh3-64 checksum recorded at put time. Any replica that
+fails, or whose bytes do not verify, is skipped; when none is left the answer is a miss
+(`ObjectNotFound`), never wrong bytes.
+
+Location cache: a lookup's read lease guarantees the master will neither free nor evict the
+object's space until it expires, so the client may reuse the replica list until shortly before
+then without asking again. That turns a repeated get into a pure data-path copy. The checksum
+is still verified on every read.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from mooncake_k8s.common import auth
+from mooncake_k8s.common.buffers import byte_view
+from mooncake_k8s.common.errors import (
+    AuthError,
+    BufferTooSmall,
+    InvalidArgument,
+    MasterUnavailable,
+    NoSpace,
+    ObjectExists,
+    ObjectNotFound,
+    ObjectTooLarge,
+    StoreError,
+    TransferError,
+)
+from mooncake_k8s.common.netutil import local_host_id
+from mooncake_k8s.common.rpc import store_pb2 as pb
+from mooncake_k8s.common.rpc import store_pb2_grpc as pb_grpc
+from mooncake_k8s.transfer import Peer, ReadOp, SegmentDesc, Tier, TransferEngine, WriteOp
+
+_PLACEMENTS = {
+    "local_first": pb.LOCAL_FIRST,
+    "preferred": pb.PREFERRED,
+    "most_free": pb.MOST_FREE,
+}
+_TIERS = {pb.DRAM: Tier.DRAM, pb.SSD: Tier.SSD}
+_MAX_MSG = 64 << 20
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where one replica's bytes are: enough for the transfer engine to read them."""
+
+    peer: Peer
+    segment: SegmentDesc
+    offset: int
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    size: int
+    checksum: int
+    replicas: tuple[Location, ...]
+
+
+def _location(r: pb.Replica) -> Location:
+    return Location(
+        Peer(r.node_id, r.address, r.host_id),
+        SegmentDesc(r.segment, _TIERS.get(r.tier, Tier.DRAM), r.segment_size, r.segment_path),
+        r.offset,
+    )
+
+
+def _rpc_error(e: grpc.RpcError, what: str) -> StoreError | InvalidArgument | AuthError:
+    """Turn a master status into this project's exception types, keeping the master's message."""
+    code = e.code()
+    detail = e.details() or ""
+    msg = f"{what}: {detail}" if detail else what
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ObjectTooLarge(msg) if "too large" in detail.lower() else InvalidArgument(msg)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return NoSpace(msg)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return AuthError(msg)
+    if code == grpc.StatusCode.ALREADY_EXISTS:
+        return ObjectExists(msg)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return ObjectNotFound(msg)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return MasterUnavailable(msg)
+    return StoreError(msg)
+
+
+class StoreClient:
+    """A thread-safe client of one store cluster.
+
+    `transport` forces "shm" or "tcp" (benchmarks, tests); "auto" picks shm for same-host
+    replicas. `lease_ms` is the read lease asked for on lookups; `location_cache=False` makes
+    every get ask the master.
+    """
+
+    def __init__(
+        self,
+        master: str,
+        token: str = "",
+        *,
+        transport: str = "auto",
+        connections_per_peer: int = 4,
+        lease_ms: int = 2000,
+        location_cache: bool = True,
+        cache_entries: int = 100_000,
+        timeout_s: float = 10.0,
+        verify: bool = True,
+        host_id: str | None = None,
+    ) -> None:
+        if transport not in ("auto", "shm", "tcp"):
+            raise InvalidArgument(f"transport must be auto, shm or tcp, not {transport!r}")
+        self._host_id = host_id or local_host_id()
+        self._channel = grpc.insecure_channel(
+            master,
+            options=[
+                ("grpc.max_receive_message_length", _MAX_MSG),
+                ("grpc.max_send_message_length", _MAX_MSG),
+            ],
+        )
+        self._stub = pb_grpc.MasterStub(self._channel)
+        self._md = auth.call_metadata(token)
+        self._timeout = timeout_s
+        self._lease_ms = lease_ms
+        self._verify = verify
+        self._cache_on = location_cache
+        self._cache_max = cache_entries
+        self._cache: OrderedDict[str, tuple[float, ObjectInfo]] = OrderedDict()
+        self._cache_lock = threading.Lock()
+        self.engine = TransferEngine(
+            token, host_id=self._host_id, connections_per_peer=connections_per_peer,
+            transport=transport, timeout_s=timeout_s,
+        )
+
+    def close(self) -> None:
+        self.engine.close()
+        self._channel.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def _put_start_request(
+        self, key: str, size: int, replicas: int, placement: str, preferred_segment: str | None
+    ) -> pb.PutStartRequest:
+        if placement not in _PLACEMENTS:
+            raise InvalidArgument(f"placement must be one of {sorted(_PLACEMENTS)}")
+        if size < 1:
+            raise InvalidArgument(f"object {key!r} is empty; the store keeps objects of >= 1 byte")
+        return pb.PutStartRequest(
+            key=key, size=size, replicas=replicas, placement=_PLACEMENTS[placement],
+            preferred_segment=preferred_segment or "", client_host_id=self._host_id,
+        )
+
+    def put(
+        self,
+        key: str,
+        data: Any,
+        *,
+        replicas: int = 1,
+        placement: str = "local_first",
+        preferred_segment: str | None = None,
+    ) -> None:
+        """Store `data` under `key`; raises ObjectExists if the key is already stored."""
+        err = self.batch_put(
+            [key], [data], replicas=replicas, placement=placement,
+            preferred_segment=preferred_segment,
+        )[0]
+        if err is not None:
+            raise err
+
+    def batch_put(
+        self,
+        keys: Sequence[str],
+        datas: Sequence[Any],
+        *,
+        replicas: int = 1,
+        placement: str = "local_first",
+        preferred_segment: str | None = None,
+    ) -> list[Exception | None]:
+        """Put many objects with one PutStart and one PutEnd round trip; a result per key."""
+        if len(keys) != len(datas):
+            raise InvalidArgument("keys and datas differ in length")
+        views = [byte_view(d) for d in datas]
+        reqs = [
+            self._put_start_request(k, len(v), replicas, placement, preferred_segment)
+            for k, v in zip(keys, views, strict=True)
+        ]
+        results: list[Exception | None] = [None] * len(keys)
+        try:
+            if len(reqs) == 1:
+                starts = [pb.PutStartResult(ok=self._call("PutStart", reqs[0]))]
+            else:
+                starts = list(
+                    self._call("BatchPutStart", pb.BatchPutStartRequest(items=reqs)).results
+                )
+        except StoreError as e:
+            return [e] * len(keys)
+        # (peer address) -> list of (index, WriteOp); each object's first replica computes its
+        # checksum while it copies, the others just copy.
+        by_peer: dict[str, tuple[Peer, list[tuple[int, WriteOp]]]] = {}
+        pending: list[int] = []
+        for i, res in enumerate(starts):
+            if res.error:
+                results[i] = _start_error(keys[i], res.error_code, res.error)
+                continue
+            if res.ok.exists:
+                results[i] = ObjectExists(f"object {keys[i]!r} already exists")
+                continue
+            pending.append(i)
+            for r in res.ok.replicas:
+                loc = _location(r)
+                entry = by_peer.setdefault(loc.peer.address, (loc.peer, []))
+                entry[1].append((i, WriteOp(loc.segment, loc.offset, views[i])))
+        sums: dict[int, int] = {}
+        failed: set[int] = set()
+        for peer, items in by_peer.values():
+            try:
+                got = self.engine.write(peer, [op for _, op in items], with_checksum=True)
+            except TransferError as e:
+                self.engine.forget(peer)
+                for i, _ in items:
+                    failed.add(i)
+                    results[i] = e
+                continue
+            assert got is not None
+            for (i, _), s in zip(items, got, strict=True):
+                sums.setdefault(i, s)
+        for i in pending:
+            if i in failed:
+                self._revoke(keys[i], starts[i].ok.put_id)
+        written = [i for i in pending if i not in failed]
+        ends = [
+            pb.PutEndRequest(key=keys[i], put_id=starts[i].ok.put_id, checksum=sums[i])
+            for i in written
+        ]
+        if ends:
+            try:
+                if len(ends) == 1:
+                    self._call("PutEnd", ends[0])
+                    errors = [""]
+                else:
+                    errors = list(self._call("BatchPutEnd", pb.BatchPutEndRequest(items=ends)).errors)
+            except StoreError as e:
+                errors = [str(e)] * len(ends)
+            for i, msg in zip(written, errors, strict=False):
+                if msg:
+                    results[i] = StoreError(f"publishing {keys[i]!r}: {msg}")
+        return results
+
+    def _revoke(self, key: str, put_id: int) -> None:
+        try:
+            self._call("PutRevoke", pb.PutRevokeRequest(key=key, put_id=put_id))
+        except StoreError:
+            pass  # the master reclaims it after its put timeout anyway
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def get(self, key: str) -> bytearray:
+        """The object's bytes (a fresh buffer). Raises ObjectNotFound on a miss."""
+        info = self._lookup([key])[0]
+        if info is None:
+            raise ObjectNotFound(f"object {key!r} not found")
+        buf = bytearray(info.size)
+        if self._read_into([key], [memoryview(buf)], [info])[0] is None:
+            raise ObjectNotFound(f"object {key!r} not found")
+        return buf
+
+    def get_into(self, key: str, buf: Any) -> int:
+        """Copy the object into `buf` (no intermediate copy); returns its size."""
+        n = self.batch_get_into([key], [buf])[0]
+        if n is None:
+            raise ObjectNotFound(f"object {key!r} not found")
+        return n
+
+    def batch_get_into(self, keys: Sequence[str], bufs: Sequence[Any]) -> list[int | None]:
+        """Read many objects; each result is the size read or None for a miss."""
+        if len(keys) != len(bufs):
+            raise InvalidArgument("keys and bufs differ in length")
+        views = [byte_view(b, writable=True) for b in bufs]
+        infos = self._lookup(keys)
+        for k, info, v in zip(keys, infos, views, strict=True):
+            if info is not None and len(v) < info.size:
+                raise BufferTooSmall(f"buffer of {len(v)} bytes for object {k!r} of {info.size}")
+        return self._read_into(keys, views, infos)
+
+    def _read_into(
+        self, keys: Sequence[str], views: Sequence[memoryview], infos: Sequence[ObjectInfo | None]
+    ) -> list[int | None]:
+        out: list[int | None] = [None] * len(keys)
+        retry = self._read_batch(keys, infos, views, out, replica_index=0)
+        if retry:
+            # Stale cache entries first get a fresh lookup, then every other replica is tried.
+            for i in retry:
+                self._forget(keys[i])
+            fresh = self._lookup([keys[i] for i in retry], use_cache=False)
+            for i, info in zip(retry, fresh, strict=True):
+                out[i] = None if info is None else self._read_any(keys[i], info, views[i])
+        return out
+
+    def _read_batch(
+        self,
+        keys: Sequence[str],
+        infos: Sequence[ObjectInfo | None],
+        views: Sequence[memoryview],
+        out: list[int | None],
+        replica_index: int,
+    ) -> list[int]:
+        """Read each object's nearest replica, grouped by peer; returns indexes that failed."""
+        by_peer: dict[str, tuple[Peer, list[tuple[int, ReadOp]]]] = {}
+        for i, info in enumerate(infos):
+            if info is None or not info.replicas:
+                continue
+            loc = info.replicas[replica_index]
+            entry = by_peer.setdefault(loc.peer.address, (loc.peer, []))
+            entry[1].append((i, ReadOp(loc.segment, loc.offset, views[i][: info.size])))
+        failed: list[int] = []
+        for peer, items in by_peer.values():
+            try:
+                sums = self.engine.read(peer, [op for _, op in items], with_checksum=self._verify)
+            except TransferError:
+                self.engine.forget(peer)
+                failed.extend(i for i, _ in items)
+                continue
+            for n, (i, _) in enumerate(items):
+                info = infos[i]
+                assert info is not None
+                if sums is not None and sums[n] != info.checksum:
+                    failed.append(i)
+                else:
+                    out[i] = info.size
+        return failed
+
+    def _read_any(self, key: str, info: ObjectInfo, view: memoryview) -> int | None:
+        for loc in info.replicas:
+            try:
+                sums = self.engine.read(
+                    loc.peer, [ReadOp(loc.segment, loc.offset, view[: info.size])],
+                    with_checksum=self._verify,
+                )
+            except TransferError:
+                self.engine.forget(loc.peer)
+                continue
+            if sums is None or sums[0] == info.checksum:
+                return info.size
+        self._forget(key)
+        return None
+
+    def _lookup(self, keys: Sequence[str], use_cache: bool = True) -> list[ObjectInfo | None]:
+        """Replica lists for `keys`, from the lease-bounded cache where possible."""
+        result: list[ObjectInfo | None] = [None] * len(keys)
+        missing: list[int] = []
+        if use_cache and self._cache_on:
+            now = time.monotonic()
+            with self._cache_lock:
+                for i, k in enumerate(keys):
+                    hit = self._cache.get(k)
+                    if hit is not None and hit[0] > now:
+                        result[i] = hit[1]
+                    else:
+                        missing.append(i)
+        else:
+            missing = list(range(len(keys)))
+        if not missing:
+            return result
+        sent = time.monotonic()
+        resp = self._call(
+            "GetReplicas",
+            pb.GetReplicasRequest(
+                keys=[keys[i] for i in missing], lease_ms=self._lease_ms,
+                client_host_id=self._host_id,
+            ),
+        )
+        # Trust the lease for 80% of its length, measured from when the request left.
+        valid_until = sent + 0.8 * self._lease_ms / 1000.0
+        fresh: list[tuple[str, ObjectInfo]] = []
+        for i, obj in zip(missing, resp.objects, strict=True):
+            if not obj.found:
+                continue
+            locs = sorted(
+                (_location(r) for r in obj.replicas),
+                key=lambda loc: (loc.peer.host_id != self._host_id, loc.segment.tier != Tier.DRAM),
+            )
+            info = ObjectInfo(obj.size, obj.checksum, tuple(locs))
+            result[i] = info
+            fresh.append((keys[i], info))
+        if self._cache_on and fresh:
+            with self._cache_lock:
+                for k, info in fresh:
+                    self._cache[k] = (valid_until, info)
+                    self._cache.move_to_end(k)
+                while len(self._cache) > self._cache_max:
+                    self._cache.popitem(last=False)
+        return result
+
+    def _forget(self, key: str) -> None:
+        with self._cache_lock:
+            self._cache.pop(key, None)
+
+    # -- metadata --------------------------------------------------------------------------
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return list(self._call("Exists", pb.ExistsRequest(keys=list(keys))).exists)
+
+    def prefix_len(self, keys: Sequence[str]) -> int:
+        """How many leading keys of `keys` are all stored (the longest cached prefix)."""
+        return int(self._call("Exists", pb.ExistsRequest(keys=list(keys))).prefix_len)
+
+    def remove(self, keys: str | Sequence[str], *, force: bool = False) -> list[bool]:
+        keys = [keys] if isinstance(keys, str) else list(keys)
+        for k in keys:
+            self._forget(k)
+        return list(self._call("Remove", pb.RemoveRequest(keys=keys, force=force)).removed)
+
+    def pin(self, keys: Sequence[str], pin: bool = True) -> list[bool]:
+        return list(self._call("Pin", pb.PinRequest(keys=list(keys), pin=pin)).ok)
+
+    def lease(self, keys: Sequence[str], lease_ms: int) -> tuple[int, list[bool]]:
+        """Take an explicit read lease; returns (lease id, found per key)."""
+        resp = self._call(
+            "GetReplicas",
+            pb.GetReplicasRequest(keys=list(keys), lease_ms=lease_ms, client_host_id=self._host_id),
+        )
+        return int(resp.lease_id), [o.found for o in resp.objects]
+
+    def release_lease(self, lease_id: int) -> None:
+        self._call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id))
+
+    def stats(self) -> pb.StatsResponse:
+        return self._call("Stats", pb.StatsRequest())
+
+    def watch(self, node_id: str = "") -> Iterator[pb.BlockEvent]:
+        """Block events (stored, evicted, removed, spilled, promoted) as they happen."""
+        try:
+            yield from self._stub.Watch(pb.WatchRequest(node_id=node_id), metadata=self._md)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED:
+                raise _rpc_error(e, "Watch") from e
+
+    def _call(self, method: str, request: Any) -> Any:
+        try:
+            return getattr(self._stub, method)(request, metadata=self._md, timeout=self._timeout)
+        except grpc.RpcError as e:
+            raise _rpc_error(e, method) from e
+
+
+def _start_error(key: str, code: str, message: str) -> StoreError | InvalidArgument:
+    text = f"put {key!r}: {message}"
+    if code == "NO_SPACE":
+        return NoSpace(text)
+    if code == "TOO_LARGE":
+        return ObjectTooLarge(text)
+    if code == "INVALID":
+        return InvalidArgument(text)
+    return StoreError(text)

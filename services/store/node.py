@@ -1,0 +1,313 @@
+"""The storage node: owns DRAM (and optional SSD) segments and serves them to the transfer engine.
+
+It is deliberately passive. The master decides what lives where; the node keeps an inventory
+of the objects in its segments (learned from the master's COMMITTED/FREED commands) so that a
+restarted master can rebuild its metadata from the nodes, and it performs the local copies the
+master asks for (DRAM -> SSD spills, SSD -> DRAM promotions). Clients read and write the
+segments directly: through /dev/shm on the same host, or through the TCP transfer server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+from dataclasses import dataclass, field
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from mooncake_k8s.common import auth
+from mooncake_k8s.common.checksum import checksum
+from mooncake_k8s.common.metrics import serve_metrics
+from mooncake_k8s.common.netutil import local_host_id
+from mooncake_k8s.common.rpc import store_pb2 as pb
+from mooncake_k8s.common.rpc import store_pb2_grpc as pb_grpc
+from mooncake_k8s.transfer import Segment, Tier, TransferServer
+
+log = logging.getLogger(__name__)
+
+_TIER_PB = {Tier.DRAM: pb.DRAM, Tier.SSD: pb.SSD}
+
+
+@dataclass
+class NodeConfig:
+    """Settings of one storage node (flags / env vars of `mooncake store node`)."""
+
+    master: str
+    """Master gRPC address, host:port."""
+    node_id: str
+    """Unique in the cluster; also names the node's segments."""
+    token: str = ""
+    """Cluster token for the master and for transfer-engine handshakes."""
+    host: str = "127.0.0.1"
+    """Address the transfer server binds to and advertises."""
+    port: int = 0
+    """Transfer server port; 0 picks a free one."""
+    dram_size: int = 1 << 30
+    """Bytes of host DRAM (POSIX shared memory) to serve."""
+    dram_segments: int = 1
+    """Split DRAM into this many segments (smaller allocator domains)."""
+    ssd_dir: str | None = None
+    """Directory for the SSD tier's backing file; None disables the tier."""
+    ssd_size: int = 0
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
+    """Prometheus port; 0 picks a free one, None disables."""
+    advertise_host: str | None = None
+    """Address clients should dial when it differs from `host` (e.g. a pod IP)."""
+    reconnect_s: float = 0.5
+    host_id: str = field(default_factory=local_host_id)
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.capacity = Gauge(
+            "mooncake_node_capacity_bytes", "Segment size", ["segment", "tier"], registry=registry
+        )
+        self.used = Gauge(
+            "mooncake_node_used_bytes", "Bytes of committed objects", ["segment", "tier"],
+            registry=registry,
+        )
+        self.objects = Gauge("mooncake_node_objects", "Objects held", registry=registry)
+        self.bytes = Counter(
+            "mooncake_node_transfer_bytes_total", "Bytes moved by the transfer server",
+            ["direction"], registry=registry,
+        )
+        self.copies = Counter(
+            "mooncake_node_copies_total", "Local copies (spill/promote) by result", ["result"],
+            registry=registry,
+        )
+        self.registrations = Counter(
+            "mooncake_node_registrations_total", "Registrations with a master", registry=registry
+        )
+
+
+@dataclass
+class _Item:
+    segment: str
+    offset: int
+    size: int
+    checksum: int
+
+
+class StorageNode:
+    """A running node: segments, transfer server, and the master session threads."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.registry = CollectorRegistry()
+        self.metrics = _Metrics(self.registry)
+        self.segments: dict[str, Segment] = {}
+        self.inventory: dict[tuple[str, int], tuple[str, _Item]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._master_id = ""
+        self._registered = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._server: TransferServer | None = None
+        self.metrics_port: int | None = None
+        self._channel = grpc.insecure_channel(config.master)
+        self._stub = pb_grpc.MasterStub(self._channel)
+        self._md = auth.call_metadata(config.token)
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        cfg = self.config
+        per = cfg.dram_size // max(1, cfg.dram_segments)
+        for i in range(max(1, cfg.dram_segments)):
+            self._add_segment(Segment.create_shm(f"{cfg.node_id}-dram-{i}", per, replace=True))
+        if cfg.ssd_dir and cfg.ssd_size > 0:
+            os.makedirs(cfg.ssd_dir, exist_ok=True)
+            self._add_segment(Segment.create_file(f"{cfg.node_id}-ssd-0", cfg.ssd_dir, cfg.ssd_size))
+        self._server = TransferServer(
+            self.segments, cfg.host, cfg.port, cfg.token, on_bytes=self._on_bytes
+        )
+        self._server.start()
+        if cfg.metrics_port is not None:
+            self.metrics_port = serve_metrics(self.registry, cfg.metrics_host, cfg.metrics_port)
+        for target, name in ((self._session_loop, "session"), (self._heartbeat_loop, "heartbeat")):
+            t = threading.Thread(target=target, name=f"node-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        log.info(
+            "storage node started",
+            extra={
+                "node_id": cfg.node_id,
+                "transfer_address": self.address,
+                "segments": ",".join(self.segments),
+                "metrics_port": self.metrics_port,
+            },
+        )
+
+    @property
+    def address(self) -> str:
+        assert self._server is not None
+        host, _, port = self._server.address.rpartition(":")
+        return f"{self.config.advertise_host or host}:{port}"
+
+    def wait_registered(self, timeout: float) -> bool:
+        return self._registered.wait(timeout)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._channel.close()
+        for t in self._threads:
+            t.join(timeout=2)
+        if self._server is not None:
+            self._server.stop()
+        for seg in self.segments.values():
+            seg.close()
+        log.info("storage node stopped", extra={"node_id": self.config.node_id})
+
+    def _add_segment(self, seg: Segment) -> None:
+        self.segments[seg.desc.name] = seg
+        self.metrics.capacity.labels(seg.desc.name, seg.desc.tier.value).set(seg.desc.size)
+        self.metrics.used.labels(seg.desc.name, seg.desc.tier.value).set(0)
+
+    def _on_bytes(self, direction: str, n: int) -> None:
+        self.metrics.bytes.labels(direction).inc(n)
+
+    # -- master session --------------------------------------------------------------------
+
+    def _register(self) -> None:
+        with self._lock:
+            inventory = [
+                pb.InventoryItem(
+                    key=key, segment=it.segment, offset=it.offset, size=it.size,
+                    checksum=it.checksum,
+                )
+                for key, it in self.inventory.values()
+            ]
+        segments = [
+            pb.SegmentInfo(
+                name=s.desc.name, tier=_TIER_PB[s.desc.tier], size=s.desc.size, path=s.desc.path
+            )
+            for s in self.segments.values()
+        ]
+        resp = self._stub.RegisterNode(
+            pb.RegisterNodeRequest(
+                node_id=self.config.node_id, address=self.address, host_id=self.config.host_id,
+                segments=segments, inventory=inventory,
+            ),
+            metadata=self._md, timeout=10,
+        )
+        self._master_id = resp.master_id
+        self.metrics.registrations.inc()
+        self._registered.set()
+        log.info(
+            "registered with master",
+            extra={"master_id": resp.master_id, "inventory": len(inventory),
+                   "restored": resp.restored_objects},
+        )
+
+    def _session_loop(self) -> None:
+        """Register, then consume the master's command stream; on any break, start over."""
+        while not self._stop.is_set():
+            try:
+                self._register()
+                stream = self._stub.NodeCommands(
+                    pb.NodeCommandsRequest(node_id=self.config.node_id, master_id=self._master_id),
+                    metadata=self._md,
+                )
+                for cmd in stream:
+                    self._apply(cmd)
+                    if self._stop.is_set():
+                        stream.cancel()
+                        break
+            except grpc.RpcError as e:
+                if self._stop.is_set():
+                    return
+                log.warning("master session lost", extra={"code": str(e.code())})
+            except Exception:
+                log.exception("master session failed")
+            self._registered.clear()
+            self._stop.wait(self.config.reconnect_s)
+
+    def _heartbeat_loop(self) -> None:
+        interval = 1.0
+        while not self._stop.wait(interval):
+            if not self._registered.is_set():
+                continue
+            usage = [pb.SegmentUsage(name=n, used=u) for n, u in self._usage().items()]
+            try:
+                resp = self._stub.Heartbeat(
+                    pb.HeartbeatRequest(node_id=self.config.node_id, usage=usage),
+                    metadata=self._md, timeout=5,
+                )
+            except grpc.RpcError:
+                continue
+            if resp.reregister or (resp.master_id and resp.master_id != self._master_id):
+                # The master restarted: register again (with inventory) right away.
+                with contextlib.suppress(grpc.RpcError):
+                    self._register()
+
+    def _usage(self) -> dict[str, int]:
+        used = dict.fromkeys(self.segments, 0)
+        with self._lock:
+            for _key, it in self.inventory.values():
+                used[it.segment] = used.get(it.segment, 0) + it.size
+        return used
+
+    def _apply(self, cmd: pb.NodeCommand) -> None:
+        kind = cmd.kind
+        if kind == pb.NodeCommand.COMMITTED:
+            item = _Item(cmd.segment, cmd.offset, cmd.size, cmd.checksum)
+            with self._lock:
+                self.inventory[(cmd.segment, cmd.offset)] = (cmd.key, item)
+            self._refresh_usage_metrics()
+        elif kind == pb.NodeCommand.FREED:
+            with self._lock:
+                self.inventory.pop((cmd.segment, cmd.offset), None)
+            self._refresh_usage_metrics()
+        elif kind == pb.NodeCommand.COPY:
+            ok, err = self._copy(cmd)
+            self.metrics.copies.labels("ok" if ok else "failed").inc()
+            with contextlib.suppress(grpc.RpcError):
+                self._stub.CommandDone(
+                    pb.CommandDoneRequest(node_id=self.config.node_id, id=cmd.id, ok=ok, error=err),
+                    metadata=self._md, timeout=10,
+                )
+        else:
+            log.warning("unknown node command", extra={"kind": int(kind)})
+
+    def _copy(self, cmd: pb.NodeCommand) -> tuple[bool, str]:
+        """Local segment-to-segment copy, verified against the object's checksum."""
+        src = self.segments.get(cmd.src_segment)
+        dst = self.segments.get(cmd.segment)
+        if src is None or dst is None:
+            return False, "unknown segment"
+        n = cmd.size
+        if cmd.src_offset + n > src.desc.size or cmd.offset + n > dst.desc.size:
+            return False, "copy out of bounds"
+        dst.buf[cmd.offset : cmd.offset + n] = src.buf[cmd.src_offset : cmd.src_offset + n]
+        if cmd.checksum and checksum(dst.buf[cmd.offset : cmd.offset + n]) != cmd.checksum:
+            return False, "checksum mismatch after copy"
+        return True, ""
+
+    def _refresh_usage_metrics(self) -> None:
+        for name, used in self._usage().items():
+            seg = self.segments[name]
+            self.metrics.used.labels(name, seg.desc.tier.value).set(used)
+        self.metrics.objects.set(len(self.inventory))
+
+
+def run_node(config: NodeConfig) -> None:
+    """Start a node and block until SIGTERM/SIGINT, then stop cleanly (segments unlinked)."""
+    node = StorageNode(config)
+    done = threading.Event()
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        done.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    node.start()
+    try:
+        while not done.wait(0.5):
+            pass
+    finally:
+        node.stop()
