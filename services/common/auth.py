@@ -51,9 +51,13 @@ class TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
         if not self._token:
             return continuation(handler_call_details)
         for key, value in handler_call_details.invocation_metadata or ():
-            if key == METADATA_KEY and isinstance(value, str) and value.startswith("Bearer "):
-                if token_matches(self._token, value[len("Bearer ") :]):
-                    return continuation(handler_call_details)
+            if (
+                key == METADATA_KEY
+                and isinstance(value, str)
+                and value.startswith("Bearer ")
+                and token_matches(self._token, value[len("Bearer ") :])
+            ):
+                return continuation(handler_call_details)
         handler = continuation(handler_call_details)
         if handler is not None and handler.response_streaming:
             return self._deny_stream

@@ -173,7 +173,9 @@ def decode_header(data: Any) -> BlockHeader:
     """Parse and check the header at the start of `data` (the payload is not checked here)."""
     view = byte_view(data)
     if len(view) < HEADER_SIZE:
-        raise IntegrityError(f"block is {len(view)} bytes, shorter than its {HEADER_SIZE}-byte header")
+        raise IntegrityError(
+            f"block is {len(view)} bytes, shorter than its {HEADER_SIZE}-byte header"
+        )
     raw = bytes(view[:HEADER_SIZE])
     fields = _HEADER.unpack(raw)
     magic, version, dtype_code, fp, layers, heads, head_dim, tokens, plen, pcsum, hcsum = fields

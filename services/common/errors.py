@@ -25,7 +25,7 @@ class StoreError(MooncakeError):
 
 
 class ObjectNotFound(StoreError, KeyError):
-    """The key is not in the store (or every replica failed verification: a miss, never bad data)."""
+    """The key is not stored, or no replica verified: a miss, never bad data."""
 
     def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
         return str(self.args[0]) if self.args else "object not found"

@@ -40,7 +40,8 @@ def setup_logging(component: str, level: str = "info", json_format: bool = True)
     if json_format:
         handler.setFormatter(JsonFormatter(component))
     else:
-        handler.setFormatter(logging.Formatter(f"%(asctime)s {component} %(levelname)s %(message)s"))
+        fmt = f"%(asctime)s {component} %(levelname)s %(message)s"
+        handler.setFormatter(logging.Formatter(fmt))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

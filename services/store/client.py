@@ -15,6 +15,7 @@ is still verified on every read.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import OrderedDict
@@ -254,7 +255,8 @@ class StoreClient:
                     self._call("PutEnd", ends[0])
                     errors = [""]
                 else:
-                    errors = list(self._call("BatchPutEnd", pb.BatchPutEndRequest(items=ends)).errors)
+                    batch = pb.BatchPutEndRequest(items=ends)
+                    errors = list(self._call("BatchPutEnd", batch).errors)
             except StoreError as e:
                 errors = [str(e)] * len(ends)
             for i, msg in zip(written, errors, strict=False):
@@ -263,10 +265,9 @@ class StoreClient:
         return results
 
     def _revoke(self, key: str, put_id: int) -> None:
-        try:
+        # On failure the master reclaims the space after its put timeout anyway.
+        with contextlib.suppress(StoreError):
             self._call("PutRevoke", pb.PutRevokeRequest(key=key, put_id=put_id))
-        except StoreError:
-            pass  # the master reclaims it after its put timeout anyway
 
     # -- reads -----------------------------------------------------------------------------
 

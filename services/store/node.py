@@ -122,7 +122,8 @@ class StorageNode:
             self._add_segment(Segment.create_shm(f"{cfg.node_id}-dram-{i}", per, replace=True))
         if cfg.ssd_dir and cfg.ssd_size > 0:
             os.makedirs(cfg.ssd_dir, exist_ok=True)
-            self._add_segment(Segment.create_file(f"{cfg.node_id}-ssd-0", cfg.ssd_dir, cfg.ssd_size))
+            ssd = Segment.create_file(f"{cfg.node_id}-ssd-0", cfg.ssd_dir, cfg.ssd_size)
+            self._add_segment(ssd)
         self._server = TransferServer(
             self.segments, cfg.host, cfg.port, cfg.token, on_bytes=self._on_bytes
         )
