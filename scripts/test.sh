@@ -5,5 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 ruff check .
-mypy
+bash scripts/typecheck.sh
 pytest -q "$@"

@@ -29,7 +29,7 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-class SizeType(click.ParamType):
+class SizeType(click.ParamType):  # type: ignore[type-arg]
     name = "size"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:

@@ -28,7 +28,7 @@ def call_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return ((METADATA_KEY, f"Bearer {token}"),) if token else ()
 
 
-class TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+class TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc,type-arg]
     """Rejects calls without the right bearer token with UNAUTHENTICATED.
 
     An empty expected token disables the check (local development only; the CLI warns).
@@ -45,9 +45,9 @@ class TokenInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
 
     def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        continuation: Callable[[grpc.HandlerCallDetails], Any],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler | None:
+    ) -> Any:
         if not self._token:
             return continuation(handler_call_details)
         for key, value in handler_call_details.invocation_metadata or ():

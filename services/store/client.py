@@ -129,7 +129,7 @@ class StoreClient:
                 ("grpc.max_send_message_length", _MAX_MSG),
             ],
         )
-        self._stub = pb_grpc.MasterStub(self._channel)
+        self._stub: Any = pb_grpc.MasterStub(self._channel)  # type: ignore[no-untyped-call]
         self._md = auth.call_metadata(token)
         self._timeout = timeout_s
         self._lease_ms = lease_ms
@@ -442,7 +442,8 @@ class StoreClient:
         self._call("ReleaseLease", pb.ReleaseLeaseRequest(lease_id=lease_id))
 
     def stats(self) -> pb.StatsResponse:
-        return self._call("Stats", pb.StatsRequest())
+        resp: pb.StatsResponse = self._call("Stats", pb.StatsRequest())
+        return resp
 
     def watch(self, node_id: str = "") -> Iterator[pb.BlockEvent]:
         """Block events (stored, evicted, removed, spilled, promoted) as they happen."""

@@ -7,6 +7,7 @@ run (master and a storage node), moves a KV-block-sized object both ways, and st
 from __future__ import annotations
 
 import secrets
+from collections.abc import Callable
 import time
 
 import numpy as np
@@ -15,8 +16,7 @@ from google.protobuf.json_format import MessageToDict
 from mooncake_k8s.store.testing import StoreCluster
 
 
-def run_demo(size: int = 4 << 20, echo: object = print) -> None:
-    say = echo  # a callable; click.echo in the CLI
+def run_demo(size: int = 4 << 20, say: Callable[[str], None] = print) -> None:
     token = secrets.token_hex(16)
     with StoreCluster(token=token) as cluster:
         t0 = time.monotonic()

@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -110,7 +111,7 @@ class StorageNode:
         self._server: TransferServer | None = None
         self.metrics_port: int | None = None
         self._channel = grpc.insecure_channel(config.master)
-        self._stub = pb_grpc.MasterStub(self._channel)
+        self._stub: Any = pb_grpc.MasterStub(self._channel)  # type: ignore[no-untyped-call]
         self._md = auth.call_metadata(config.token)
 
     # -- lifecycle -------------------------------------------------------------------------

@@ -1,0 +1,40 @@
+"""CLI argument parsing that needs no running servers."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from mooncake_k8s.cli import main, parse_size
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("4096", 4096), ("1GiB", 1 << 30), ("512MiB", 512 << 20), ("2G", 2 * 10**9),
+     ("1.5KiB", 1536), ("64kib", 65536), ("10 MB", 10**7)],
+)
+def test_parse_size(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "-1", "12 parsecs", "1e9"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size(text)
+
+
+def test_bad_size_flag_is_a_usage_error() -> None:
+    r = CliRunner().invoke(main, ["store", "node", "--dram-size", "lots"])
+    assert r.exit_code == 2 and "not a size" in r.output
+
+
+def test_node_rejects_ssd_size_without_dir() -> None:
+    r = CliRunner().invoke(main, ["store", "node", "--ssd-size", "1GiB"])
+    assert r.exit_code == 2 and "--ssd-dir" in r.output
+
+
+def test_master_rejects_inverted_watermarks() -> None:
+    r = CliRunner().invoke(
+        main, ["store", "master", "--high-watermark", "0.5", "--low-watermark", "0.9"]
+    )
+    assert r.exit_code == 2 and "below --high-watermark" in r.output
