@@ -124,12 +124,12 @@ def store_master(
     max_object_size: int, allow_any_address: bool, log_level: str, log_format: str,
 ) -> None:
     """Run the store master (metadata, allocation, leases, eviction; never in the data path)."""
-    from mooncake_k8s.common.logs import setup_logging
-    from mooncake_k8s.store.master import MasterConfig, run_master
-
     _check_bind(host, allow_any_address)
     if low_watermark >= high_watermark:
         raise click.BadParameter("must be below --high-watermark", param_hint="--low-watermark")
+    from mooncake_k8s.common.logs import setup_logging
+    from mooncake_k8s.store.master import MasterConfig, run_master
+
     setup_logging("store-master", log_level, log_format == "json")
     _warn_no_token(token)
     run_master(
@@ -174,14 +174,14 @@ def store_node(
     token: str, allow_any_address: bool, log_level: str, log_format: str,
 ) -> None:
     """Run a storage node that serves DRAM (and optional SSD) segments to the transfer engine."""
-    from mooncake_k8s.common.logs import setup_logging
-    from mooncake_k8s.store.node import NodeConfig, run_node
-
     _check_bind(host, allow_any_address)
     if dram_size < 1 << 20:
         raise click.BadParameter("at least 1MiB", param_hint="--dram-size")
     if ssd_size and not ssd_dir:
         raise click.BadParameter("--ssd-size needs --ssd-dir", param_hint="--ssd-size")
+    from mooncake_k8s.common.logs import setup_logging
+    from mooncake_k8s.store.node import NodeConfig, run_node
+
     setup_logging("store-node", log_level, log_format == "json")
     _warn_no_token(token)
     run_node(
