@@ -3,6 +3,9 @@
 # Idempotent: re-running only installs what is missing. Never pulls a CUDA build of torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The repo-root folder operator/ would shadow the stdlib module `operator` whenever Python puts
+# the working directory on sys.path (python -m ...). Never let it.
+export PYTHONSAFEPATH=1
 
 APT_PKGS=(redis-server)
 missing=()

@@ -2,6 +2,9 @@
 # The test command: set up (apt + venv), lint, type-check, run every test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The repo-root folder operator/ would shadow the stdlib module `operator` whenever Python puts
+# the working directory on sys.path (python -m ...). Never let it.
+export PYTHONSAFEPATH=1
 bash scripts/setup.sh
 . .venv/bin/activate
 ruff check .

@@ -4,6 +4,9 @@
 # build/typecheck/ and check that, plus bench/ and tests/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The repo-root folder operator/ would shadow the stdlib module `operator` whenever Python puts
+# the working directory on sys.path (python -m ...). Never let it.
+export PYTHONSAFEPATH=1
 view=build/typecheck/mooncake_k8s
 rm -rf build/typecheck && mkdir -p "$view"
 for entry in services/*; do

@@ -7,8 +7,8 @@ run (master and a storage node), moves a KV-block-sized object both ways, and st
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
 import time
+from collections.abc import Callable
 
 import numpy as np
 from google.protobuf.json_format import MessageToDict

@@ -1,0 +1,262 @@
+"""The TCP transfer protocol: struct-based binary framing. All integers are big-endian.
+
+Handshake (once per connection, client first)::
+
+    HELLO        4s magic b"MCTE" | u16 version | u16 token_len | token bytes (<= 1024)
+    HELLO_REPLY  4s magic b"MCTE" | u16 version | u8 status | pad | u16 msg_len | msg (utf-8)
+
+The server answers ``HELLO_OK`` or an error status with a message, and closes the connection
+after an error (wrong token, unsupported version). Bad magic or a truncated hello: it just
+closes. The token is compared in constant time and never logged.
+
+Requests (client -> server), any number pipelined on one connection::
+
+    REQUEST      2s magic b"MQ" | u8 op | u8 name_len | u32 req_id | u64 offset | u64 length
+                 | name (name_len bytes, [A-Za-z0-9._-]{1,100})
+                 | payload (WRITE only: `length` bytes)
+
+Responses (server -> client), in request order::
+
+    RESPONSE     2s magic b"MR" | u8 status | pad | u32 req_id | u64 length
+                 | payload  (status OK and READ: `length` bytes of data)
+                 | message  (status != OK: `length` bytes of utf-8, <= 4096)
+
+For an OK WRITE response `length` is the number of bytes written and nothing follows.
+`length` of one operation is at most ``MAX_OP_BYTES``; anything that breaks these rules is a
+`ProtocolError` and the connection is closed. Range and segment errors are answered with an
+error status and the connection stays usable.
+
+The decoders here are pure (bytes in, values out) and raise only `ProtocolError`.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass
+
+from mooncake_k8s.common.errors import ProtocolError
+
+MAGIC = b"MCTE"
+VERSION = 1
+REQ_MAGIC = b"MQ"
+RESP_MAGIC = b"MR"
+
+HELLO = struct.Struct("!4sHH")
+HELLO_REPLY = struct.Struct("!4sHBxH")
+REQUEST = struct.Struct("!2sBBIQQ")
+RESPONSE = struct.Struct("!2sBxIQ")
+
+OP_READ = 1
+OP_WRITE = 2
+OPS = {OP_READ: "READ", OP_WRITE: "WRITE"}
+
+HELLO_OK = 0
+HELLO_AUTH_FAILED = 1
+HELLO_BAD_VERSION = 2
+HELLO_STATUSES = {HELLO_OK, HELLO_AUTH_FAILED, HELLO_BAD_VERSION}
+
+ST_OK = 0
+ST_UNKNOWN_SEGMENT = 1
+ST_OUT_OF_RANGE = 2
+ST_TOO_LARGE = 3
+ST_BAD_REQUEST = 4
+ST_INTERNAL = 5
+STATUSES = {
+    ST_OK: "ok",
+    ST_UNKNOWN_SEGMENT: "unknown segment",
+    ST_OUT_OF_RANGE: "out of range",
+    ST_TOO_LARGE: "too large",
+    ST_BAD_REQUEST: "bad request",
+    ST_INTERNAL: "internal error",
+}
+
+MAX_TOKEN = 1024
+MAX_NAME = 100
+MAX_MESSAGE = 4096
+MAX_OP_BYTES = 1 << 36
+MAX_OFFSET = 1 << 48
+
+_NAME_RE = re.compile(rb"[A-Za-z0-9._-]{1,100}")
+
+Buf = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class Request:
+    op: int
+    name: str
+    req_id: int
+    offset: int
+    length: int
+    payload: bytes = b""
+
+
+@dataclass(frozen=True)
+class Response:
+    status: int
+    req_id: int
+    length: int
+    payload: bytes = b""
+
+    @property
+    def message(self) -> str:
+        return "" if self.status == ST_OK else self.payload.decode("utf-8", "replace")
+
+
+# -- handshake ---------------------------------------------------------------------------------
+
+
+def encode_hello(token: str) -> bytes:
+    tok = token.encode()
+    if len(tok) > MAX_TOKEN:
+        raise ValueError(f"cluster token longer than {MAX_TOKEN} bytes")
+    return HELLO.pack(MAGIC, VERSION, len(tok)) + tok
+
+
+def decode_hello_header(data: Buf, pos: int = 0) -> tuple[int, int]:
+    """(version, token_len) of a hello; the version is returned, not checked."""
+    if len(data) - pos < HELLO.size:
+        raise ProtocolError(f"truncated hello: {len(data) - pos} of {HELLO.size} bytes")
+    magic, version, tlen = HELLO.unpack_from(data, pos)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad hello magic {bytes(magic)!r}")
+    if tlen > MAX_TOKEN:
+        raise ProtocolError(f"hello token length {tlen} over limit {MAX_TOKEN}")
+    return int(version), int(tlen)
+
+
+def decode_hello(data: Buf) -> tuple[int, bytes, int]:
+    """(version, token, bytes consumed) of a complete hello."""
+    version, tlen = decode_hello_header(data)
+    end = HELLO.size + tlen
+    if len(data) < end:
+        raise ProtocolError(f"truncated hello token: {len(data) - HELLO.size} of {tlen} bytes")
+    return version, bytes(data[HELLO.size : end]), end
+
+
+def encode_hello_reply(status: int, message: str = "") -> bytes:
+    msg = message.encode()[:MAX_MESSAGE]
+    return HELLO_REPLY.pack(MAGIC, VERSION, status, len(msg)) + msg
+
+
+def decode_hello_reply_header(data: Buf, pos: int = 0) -> tuple[int, int]:
+    """(status, message length) of a hello reply."""
+    if len(data) - pos < HELLO_REPLY.size:
+        raise ProtocolError(
+            f"truncated hello reply: {len(data) - pos} of {HELLO_REPLY.size} bytes"
+        )
+    magic, _version, status, mlen = HELLO_REPLY.unpack_from(data, pos)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad hello reply magic {bytes(magic)!r}")
+    if status not in HELLO_STATUSES:
+        raise ProtocolError(f"unknown hello reply status {status}")
+    if mlen > MAX_MESSAGE:
+        raise ProtocolError(f"hello reply message length {mlen} over limit {MAX_MESSAGE}")
+    return int(status), int(mlen)
+
+
+def decode_hello_reply(data: Buf) -> tuple[int, str, int]:
+    """(status, message, bytes consumed) of a complete hello reply."""
+    status, mlen = decode_hello_reply_header(data)
+    end = HELLO_REPLY.size + mlen
+    if len(data) < end:
+        raise ProtocolError("truncated hello reply message")
+    return status, bytes(data[HELLO_REPLY.size : end]).decode("utf-8", "replace"), end
+
+
+# -- requests ----------------------------------------------------------------------------------
+
+
+def encode_name(name: str) -> bytes:
+    raw = name.encode()
+    if not _NAME_RE.fullmatch(raw):
+        raise ProtocolError(f"invalid segment name {name!r}")
+    return raw
+
+
+def decode_name(raw: Buf) -> str:
+    raw = bytes(raw)
+    if not _NAME_RE.fullmatch(raw):
+        raise ProtocolError(f"invalid segment name bytes {raw[:MAX_NAME]!r}")
+    return raw.decode("ascii")
+
+
+def encode_request(op: int, name: bytes, req_id: int, offset: int, length: int) -> bytes:
+    """Header plus name; a WRITE's payload is sent right after it."""
+    return REQUEST.pack(REQ_MAGIC, op, len(name), req_id, offset, length) + name
+
+
+def decode_request_header(data: Buf, pos: int = 0) -> tuple[int, int, int, int, int]:
+    """(op, name_len, req_id, offset, length) of the fixed request header at `pos`."""
+    if len(data) - pos < REQUEST.size:
+        raise ProtocolError(f"truncated request header: {len(data) - pos} of {REQUEST.size} bytes")
+    magic, op, nlen, rid, off, length = REQUEST.unpack_from(data, pos)
+    if magic != REQ_MAGIC:
+        raise ProtocolError(f"bad request magic {bytes(magic)!r}")
+    if op not in OPS:
+        raise ProtocolError(f"unknown op code {op}")
+    if nlen == 0 or nlen > MAX_NAME:
+        raise ProtocolError(f"segment name length {nlen} outside 1..{MAX_NAME}")
+    if length > MAX_OP_BYTES:
+        raise ProtocolError(f"length {length} over limit {MAX_OP_BYTES}")
+    if off > MAX_OFFSET:
+        raise ProtocolError(f"offset {off} over limit {MAX_OFFSET}")
+    return op, nlen, rid, off, length
+
+
+def decode_request(data: Buf) -> tuple[Request, int]:
+    """One complete request (with a WRITE's payload) and the number of bytes it used."""
+    op, nlen, rid, off, length = decode_request_header(data)
+    end = REQUEST.size + nlen
+    if len(data) < end:
+        raise ProtocolError(f"truncated segment name: {len(data) - REQUEST.size} of {nlen} bytes")
+    name = decode_name(data[REQUEST.size : end])
+    payload = b""
+    if op == OP_WRITE:
+        if len(data) - end < length:
+            raise ProtocolError(f"truncated WRITE payload: {len(data) - end} of {length} bytes")
+        payload = bytes(data[end : end + length])
+        end += length
+    return Request(op, name, rid, off, length, payload), end
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+def encode_response(status: int, req_id: int, length: int) -> bytes:
+    return RESPONSE.pack(RESP_MAGIC, status, req_id, length)
+
+
+def encode_error(status: int, req_id: int, message: str) -> bytes:
+    msg = message.encode()[:MAX_MESSAGE]
+    return RESPONSE.pack(RESP_MAGIC, status, req_id, len(msg)) + msg
+
+
+def decode_response_header(data: Buf, pos: int = 0) -> tuple[int, int, int]:
+    """(status, req_id, length) of the fixed response header at `pos`."""
+    if len(data) - pos < RESPONSE.size:
+        raise ProtocolError(
+            f"truncated response header: {len(data) - pos} of {RESPONSE.size} bytes"
+        )
+    magic, status, rid, length = RESPONSE.unpack_from(data, pos)
+    if magic != RESP_MAGIC:
+        raise ProtocolError(f"bad response magic {bytes(magic)!r}")
+    if status not in STATUSES:
+        raise ProtocolError(f"unknown response status {status}")
+    if status != ST_OK and length > MAX_MESSAGE:
+        raise ProtocolError(f"error message length {length} over limit {MAX_MESSAGE}")
+    if length > MAX_OP_BYTES:
+        raise ProtocolError(f"response length {length} over limit {MAX_OP_BYTES}")
+    return int(status), int(rid), int(length)
+
+
+def decode_response(data: Buf, op: int = OP_READ) -> tuple[Response, int]:
+    """One complete response to a request of kind `op` and the number of bytes it used."""
+    status, rid, length = decode_response_header(data)
+    end = RESPONSE.size
+    if status != ST_OK or op == OP_READ:
+        if len(data) - end < length:
+            raise ProtocolError(f"truncated response body: {len(data) - end} of {length} bytes")
+        return Response(status, rid, length, bytes(data[end : end + length])), end + length
+    return Response(status, rid, length), end

@@ -1,0 +1,206 @@
+"""Segments: named regions of shared memory (DRAM, a /dev/shm file) or of a file on SSD.
+
+The owner creates the backing file, maps it and removes the file when it closes the segment;
+peers on the same host map the same file (`Segment.open`) and copy with memcpy. The TCP server
+serves the same mapping to remote peers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import mmap
+import os
+import re
+import threading
+from dataclasses import dataclass
+
+from mooncake_k8s.common.errors import InvalidArgument, TransferError
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "mooncake-"
+FILE_SUFFIX = ".seg"
+_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,100}")
+
+
+class Tier(str, enum.Enum):  # noqa: UP042 (str() stays 'Tier.DRAM', as callers expect)
+    DRAM = "dram"
+    SSD = "ssd"
+
+
+def validate_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise InvalidArgument(
+            f"segment name must match [A-Za-z0-9._-]{{1,100}}, got {name!r}"
+        )
+    return name
+
+
+def shm_path(name: str) -> str:
+    return os.path.join(SHM_DIR, SHM_PREFIX + validate_name(name))
+
+
+def file_name(name: str) -> str:
+    return SHM_PREFIX + validate_name(name) + FILE_SUFFIX
+
+
+@dataclass(frozen=True)
+class SegmentDesc:
+    """What a peer needs to reach a segment: its name, tier, size and backing file."""
+
+    name: str
+    tier: Tier
+    size: int
+    path: str
+
+    def __post_init__(self) -> None:
+        validate_name(self.name)
+        if not isinstance(self.size, int) or self.size < 0:
+            raise InvalidArgument(f"segment size must be a non-negative int, got {self.size!r}")
+
+
+class Segment:
+    """A mapped segment. `buf` is a writable (unless opened read-only) 1-D byte view of it."""
+
+    __slots__ = ("_closed", "_fd", "_lock", "_mmap", "_owner", "buf", "desc")
+
+    def __init__(self, desc: SegmentDesc, fd: int, *, owner: bool, writable: bool) -> None:
+        self.desc = desc
+        self._owner = owner
+        self._closed = False
+        self._lock = threading.Lock()
+        self._fd = fd
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        try:
+            self._mmap = mmap.mmap(fd, desc.size, flags=mmap.MAP_SHARED, prot=prot)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._mmap)
+
+    # -- constructors ------------------------------------------------------------------------
+
+    @classmethod
+    def create_shm(cls, name: str, size: int, *, replace: bool = False) -> Segment:
+        """A new DRAM segment backed by /dev/shm/mooncake-<name> (created exclusively).
+
+        `replace=True` first removes a file left by a previous owner that died (a restarted node).
+        """
+        path = shm_path(name)
+        return cls._create(SegmentDesc(name, Tier.DRAM, _check_size(size), path), replace)
+
+    @classmethod
+    def create_file(
+        cls, name: str, directory: str, size: int, *, replace: bool = False
+    ) -> Segment:
+        """A new SSD-tier segment backed by a file in `directory`."""
+        path = os.path.join(directory, file_name(name))
+        return cls._create(SegmentDesc(name, Tier.SSD, _check_size(size), path), replace)
+
+    @classmethod
+    def _create(cls, desc: SegmentDesc, replace: bool) -> Segment:
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        if replace:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(desc.path)
+        try:
+            fd = os.open(desc.path, flags, 0o600)
+        except FileExistsError as e:
+            raise InvalidArgument(f"segment file {desc.path} already exists") from e
+        try:
+            os.ftruncate(fd, desc.size)
+        except OSError:
+            os.close(fd)
+            os.unlink(desc.path)
+            raise
+        try:
+            return cls(desc, fd, owner=True, writable=True)
+        except OSError:
+            os.unlink(desc.path)
+            raise
+
+    @classmethod
+    def open(cls, desc: SegmentDesc, writable: bool = True) -> Segment:
+        """Map a peer's existing segment. Closing it only unmaps; the file stays.
+
+        The path must name a segment file (`/dev/shm/mooncake-<name>` for DRAM,
+        `.../mooncake-<name>.seg` for SSD), so a bad descriptor cannot map an arbitrary file.
+        Raises TransferError when the file is missing, too small or cannot be mapped.
+        """
+        expected = shm_path(desc.name) if desc.tier == Tier.DRAM else None
+        if expected is not None and os.path.normpath(desc.path) != expected:
+            raise TransferError(f"segment {desc.name!r}: path {desc.path!r} is not {expected}")
+        if expected is None and os.path.basename(desc.path) != file_name(desc.name):
+            raise TransferError(f"segment {desc.name!r}: path {desc.path!r} is not a segment file")
+        if desc.size <= 0:
+            raise TransferError(f"segment {desc.name!r} has size 0")
+        flags = (os.O_RDWR if writable else os.O_RDONLY) | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            fd = os.open(desc.path, flags)
+        except OSError as e:
+            raise TransferError(f"cannot open segment {desc.name!r} at {desc.path}: {e}") from e
+        try:
+            st = os.fstat(fd)
+        except OSError as e:
+            os.close(fd)
+            raise TransferError(f"cannot stat segment {desc.name!r}: {e}") from e
+        if st.st_size < desc.size:
+            os.close(fd)
+            raise TransferError(
+                f"segment {desc.name!r} file is {st.st_size} bytes, expected {desc.size}"
+            )
+        try:
+            return cls(desc, fd, owner=False, writable=writable)
+        except (OSError, ValueError) as e:
+            raise TransferError(f"cannot map segment {desc.name!r}: {e}") from e
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def owner(self) -> bool:
+        return self._owner
+
+    def close(self) -> None:
+        """Unmap (and, for the owner, remove the file). Idempotent.
+
+        If views of `buf` are still alive elsewhere the mapping cannot be unmapped now; it is
+        then released when the last view goes away, and the file is still removed.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        with contextlib.suppress(BufferError):
+            self.buf.release()
+        try:
+            self._mmap.close()
+        except BufferError:
+            log.debug(
+                "segment still has live views; unmapped when they are released",
+                extra={"segment": self.desc.name},
+            )
+        if self._owner:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.desc.path)
+
+    def __enter__(self) -> Segment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"Segment({self.desc.name!r}, {self.desc.tier.value}, {self.desc.size}, {state})"
+
+
+def _check_size(size: int) -> int:
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        raise InvalidArgument(f"segment size must be a positive int, got {size!r}")
+    return size
