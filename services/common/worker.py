@@ -1,0 +1,232 @@
+"""What the prefill and decode workers share: config, engine start-up, gRPC and health servers,
+load reports and graceful drain.
+
+The engine loads in the background so `/healthz` answers at once and `/readyz` turns 200 only
+when the model is in memory; a pod is never routed to before it can serve. On SIGTERM a worker
+stops taking new requests (readiness fails, new calls get UNAVAILABLE), lets the running ones
+finish within a grace period, then exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from prometheus_client import CollectorRegistry, Gauge
+
+from mooncake_k8s.common import auth
+from mooncake_k8s.common.health import HealthServer
+from mooncake_k8s.common.rpc import serving_pb2 as pb
+from mooncake_k8s.store.client import StoreClient
+
+if TYPE_CHECKING:
+    from mooncake_k8s.engine import Engine, EngineConfig
+
+log = logging.getLogger(__name__)
+
+_MAX_MSG = 64 << 20
+
+
+@dataclass
+class WorkerConfig:
+    """Settings shared by `mooncake prefill` and `mooncake decode` (flags / env vars)."""
+
+    role: str
+    master: str
+    engine: EngineConfig
+    token: str = ""
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str | None = None
+    metrics_host: str | None = None
+    metrics_port: int | None = 0
+    instance_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    revision: str = ""
+    workers: int = 32
+    drain_timeout_s: float = 30.0
+    local_segment_size: int = 0
+    """Decode only: bytes of DRAM served to the store beside the engine (0 = none)."""
+    transport: str = "auto"
+
+
+class Worker:
+    """Base of the prefill and decode services: everything except the request handling."""
+
+    role = "worker"
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.registry = CollectorRegistry()
+        self.engine: Engine | None = None
+        self.engine_error: str | None = None
+        self.store = StoreClient(config.master, config.token, transport=config.transport)
+        self.draining = threading.Event()
+        self._inflight = 0
+        self._inflight_lock = threading.Condition()
+        self._server: grpc.Server | None = None
+        self._health: HealthServer | None = None
+        self.port = 0
+        self.metrics_port: int | None = None
+        self._ready_gauge = Gauge(
+            "mooncake_worker_ready", "1 when the worker serves requests", ["role"],
+            registry=self.registry,
+        )
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def handlers(self) -> grpc.GenericRpcHandler:  # type: ignore[type-arg]
+        raise NotImplementedError
+
+    def on_engine_loaded(self, engine: Engine) -> None:
+        """Hook for subclasses: start their engine thread."""
+
+    def start(self) -> None:
+        cfg = self.config
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix=self.role),
+            interceptors=[auth.TokenInterceptor(cfg.token)],
+            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", _MAX_MSG),
+                     ("grpc.max_send_message_length", _MAX_MSG)],
+        )
+        server.add_generic_rpc_handlers((self.handlers(),))
+        target = f"[{cfg.host}]:{cfg.port}" if ":" in cfg.host else f"{cfg.host}:{cfg.port}"
+        try:
+            port = server.add_insecure_port(target)
+        except RuntimeError as e:
+            raise OSError(f"cannot bind the {self.role} server to {target}: {e}") from e
+        self.port = port
+        server.start()
+        self._server = server
+        if cfg.metrics_port is not None and cfg.metrics_port >= 0:
+            self._health = HealthServer(
+                self.registry, cfg.metrics_host or cfg.host, cfg.metrics_port, self.not_ready
+            ).start()
+            self.metrics_port = self._health.port
+        threading.Thread(target=self._load_engine, name="engine-load", daemon=True).start()
+
+    def _load_engine(self) -> None:
+        from mooncake_k8s.engine import load_engine
+
+        t0 = time.monotonic()
+        try:
+            engine = load_engine(self.config.engine, progress=False)
+            self.on_engine_loaded(engine)
+        except Exception as e:
+            self.engine_error = f"{type(e).__name__}: {e}"
+            log.exception("engine failed to load")
+            return
+        self.engine = engine
+        self._ready_gauge.labels(self.role).set(1)
+        log.info(
+            f"{self.role} ready",
+            extra={"model": engine.served_name, "seconds": round(time.monotonic() - t0, 2),
+                   "address": self.address, "metrics_port": self.metrics_port},
+        )
+
+    def not_ready(self) -> str | None:
+        if self.engine_error:
+            return f"engine failed: {self.engine_error}"
+        if self.engine is None:
+            return "loading the model"
+        if self.draining.is_set():
+            return "draining"
+        return None
+
+    @property
+    def address(self) -> str:
+        host = self.config.advertise_host or self.config.host
+        return f"{host}:{self.port}"
+
+    def drain_and_stop(self) -> None:
+        """Refuse new work, wait for the running requests (bounded), then stop."""
+        self.draining.set()
+        self._ready_gauge.labels(self.role).set(0)
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        with self._inflight_lock:
+            while self._inflight and time.monotonic() < deadline:
+                self._inflight_lock.wait(0.1)
+            left = self._inflight
+        if left:
+            log.warning("drain timed out", extra={"inflight": left})
+        self.stop()
+
+    def stop(self) -> None:
+        self.draining.set()
+        if self._server is not None:
+            self._server.stop(1.0).wait()
+        if self._health is not None:
+            self._health.stop()
+        self.store.close()
+
+    # -- request accounting ----------------------------------------------------------------
+
+    def admit(self, context: grpc.ServicerContext) -> Engine:
+        """Count a request in, or abort it when the worker cannot take it."""
+        if self.draining.is_set():
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.role} is draining")
+        if self.engine is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.role}: {self.not_ready()}")
+        with self._inflight_lock:
+            self._inflight += 1
+        assert self.engine is not None
+        return self.engine
+
+    def release(self) -> None:
+        with self._inflight_lock:
+            self._inflight -= 1
+            self._inflight_lock.notify_all()
+
+    def load_report(self) -> pb.LoadReport:
+        e = self.engine
+        report = pb.LoadReport(
+            instance_id=self.config.instance_id, role=self.role, revision=self.config.revision,
+            ready=self.not_ready() is None, draining=self.draining.is_set(),
+        )
+        if e is not None:
+            report.model = e.served_name
+            report.model_fingerprint = e.fingerprint.hex()
+            report.dtype = e.layout.dtype
+            report.block_tokens = e.block_tokens
+            report.max_context = e.max_context
+        return report
+
+
+def sampling_from_pb(s: pb.Sampling) -> Any:
+    """The engine's SamplingParams from the wire form (validation happens there)."""
+    from mooncake_k8s.engine import SamplingParams
+
+    return SamplingParams(
+        temperature=s.temperature, top_p=s.top_p if s.top_p > 0 else 1.0,
+        max_tokens=s.max_tokens, stop=tuple(s.stop),
+        seed=s.seed if s.has_seed else None, ignore_eos=s.ignore_eos,
+    )
+
+
+def run_worker(worker: Worker) -> None:
+    """Serve until SIGTERM/SIGINT, then drain and stop."""
+    done = threading.Event()
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        done.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    worker.start()
+    log.info(
+        f"{worker.role} listening",
+        extra={"address": worker.address, "metrics_port": worker.metrics_port,
+               "instance_id": worker.config.instance_id, "auth": bool(worker.config.token)},
+    )
+    while not done.wait(0.5):
+        pass
+    log.info(f"{worker.role} draining")
+    worker.drain_and_stop()
+    log.info(f"{worker.role} stopped")

@@ -1,0 +1,368 @@
+"""The Conductor's HTTP front door: OpenAI-compatible API, health, readiness and metrics.
+
+Request path, top-down: this module parses and validates (protocol), tokenises, then hands a
+`Generation` to the pipeline, which asks the scheduler for a (prefill, decode) pair and runs it.
+A streaming response's headers are sent only when the first token exists, so anything that
+fails before then (bad input, no capacity, every attempt failed) is a plain HTTP error with
+the right status, not a 200 with an error buried in the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from mooncake_k8s.common import tracing
+from mooncake_k8s.common.rpc import serving_pb2 as pb
+from mooncake_k8s.conductor.metrics import ConductorMetrics
+from mooncake_k8s.conductor.pipeline import Delta, Generation, Outcome, Pipeline
+from mooncake_k8s.conductor.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    _Common,
+    parse,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 256
+
+
+def load_api_keys(path: str) -> dict[str, str]:
+    """`KEY [TENANT]` per line ('#' comments). The tenant salts that key's KV blocks."""
+    keys: dict[str, str] = {}
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            parts = line.split("#", 1)[0].split()
+            if not parts:
+                continue
+            if len(parts) > 2:
+                raise ValueError(f"{path}:{n}: expected 'KEY [TENANT]'")
+            keys[parts[0]] = parts[1] if len(parts) == 2 else ""
+    if not keys:
+        raise ValueError(f"{path}: no API keys in the file")
+    return keys
+
+
+class Frontend:
+    """Everything behind the HTTP routes; `Conductor` wires it to pools and the tokenizer."""
+
+    def __init__(self, pipeline: Pipeline, metrics: ConductorMetrics,
+                 api_keys: dict[str, str] | None, served_model: str | None,
+                 use_prefix_cache: bool = True) -> None:
+        self.pipeline = pipeline
+        self.metrics = metrics
+        self.api_keys = api_keys
+        self.served_model = served_model
+        self.use_prefix_cache = use_prefix_cache
+        self.tokenizer: Any = None
+        self.tokenizer_error: str | None = None
+
+    # -- model facts come from the workers' load reports ------------------------------------
+
+    def model_name(self) -> str | None:
+        if self.served_model:
+            return self.served_model
+        for inst in self.pipeline.prefills.usable():
+            assert inst.report is not None
+            return inst.report.model
+        return None
+
+    def max_context(self) -> int:
+        ctx = [i.report.max_context for i in self.pipeline.prefills.usable() if i.report]
+        return min(ctx) if ctx else 0
+
+    def not_ready(self) -> str | None:
+        if self.tokenizer_error:
+            return f"tokenizer failed to load: {self.tokenizer_error}"
+        if self.tokenizer is None:
+            return "loading the tokenizer"
+        if not self.pipeline.prefills.usable():
+            return "no prefill instance is ready"
+        if not self.pipeline.decodes.usable():
+            return "no decode instance is ready"
+        return None
+
+    # -- routes ----------------------------------------------------------------------------
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/healthz", self.healthz),
+            web.get("/readyz", self.readyz),
+            web.get("/metrics", self.metrics_handler),
+            web.get("/v1/models", self.models),
+            web.post("/v1/chat/completions", self.chat),
+            web.post("/v1/completions", self.completions),
+        ]
+
+    async def healthz(self, _r: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def readyz(self, _r: web.Request) -> web.Response:
+        reason = self.not_ready()
+        if reason:
+            return web.Response(status=503, text=f"not ready: {reason}\n")
+        return web.Response(text="ready\n")
+
+    async def metrics_handler(self, _r: web.Request) -> web.Response:
+        for role, pool in (("prefill", self.pipeline.prefills), ("decode", self.pipeline.decodes)):
+            insts = list(pool.instances.values())
+            ok = [i for i in insts if i.usable]
+            self.metrics.instances.labels(role, "ready").set(len(ok))
+            self.metrics.instances.labels(role, "unready").set(len(insts) - len(ok))
+            queued = sum((i.report.queued_tokens if role == "prefill" else i.report.running)
+                         for i in ok if i.report)
+            self.metrics.queue_tokens.labels(role).set(queued)
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def models(self, request: web.Request) -> web.Response:
+        self.authenticate(request)
+        name = self.model_name()
+        data = [] if name is None else [{
+            "id": name, "object": "model", "created": 0, "owned_by": "mooncake-k8s",
+            "max_model_len": self.max_context(),
+        }]
+        return web.json_response({"object": "list", "data": data})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completions")
+
+    # -- the shared generation path --------------------------------------------------------
+
+    def authenticate(self, request: web.Request) -> str:
+        """The caller's tenant; 401 unless the bearer key is known (when keys are set)."""
+        if self.api_keys is None:
+            return ""
+        header = request.headers.get("Authorization", "")
+        presented = header[7:] if header.startswith("Bearer ") else ""
+        for key, tenant in self.api_keys.items():
+            if hmac.compare_digest(key.encode(), presented.encode()):
+                return tenant
+        raise ApiError(401, "Incorrect API key provided" if presented else
+                       "Missing API key: send 'Authorization: Bearer <key>'",
+                       code="invalid_api_key")
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        endpoint = f"/v1/{'chat/completions' if kind == 'chat' else 'completions'}"
+        try:
+            tenant = self.authenticate(request)
+            try:
+                body = await request.json(loads=json.loads)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ApiError(400, f"invalid JSON body: {e}") from None
+            req: _Common = parse(ChatRequest if kind == "chat" else CompletionRequest, body)
+            with tracing.span("conductor.request", endpoint=endpoint):
+                gen, max_tokens = await self._prepare(req, kind, tenant)
+                return await self._respond(request, req, kind, gen, max_tokens, endpoint)
+        except ApiError as e:
+            self.metrics.requests.labels(endpoint, str(e.status)).inc()
+            return web.json_response(e.body(), status=e.status)
+
+    async def _prepare(self, req: _Common, kind: str, tenant: str) -> tuple[Generation, int]:
+        name = self.model_name()
+        if name is None or self.tokenizer is None:
+            raise ApiError(503, f"not ready: {self.not_ready()}", type_="server_error")
+        if req.model != name:
+            raise ApiError(404, f"The model '{req.model}' does not exist; this server serves "
+                                f"'{name}'", param="model", code="model_not_found")
+        if isinstance(req, ChatRequest):
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            tokens = await asyncio.to_thread(self._chat_tokens, messages)
+            limit = req.max_completion_tokens or req.max_tokens
+        else:
+            assert isinstance(req, CompletionRequest)
+            prompt = req.prompt_input()
+            if isinstance(prompt, str):
+                tokens = await asyncio.to_thread(self.tokenizer.encode, prompt)
+            else:
+                vocab = len(self.tokenizer)
+                bad = [t for t in prompt if not 0 <= t < vocab]
+                if bad:
+                    raise ApiError(400, f"token id {bad[0]} is outside the vocabulary "
+                                        f"[0, {vocab})", param="prompt")
+                tokens = prompt
+            limit = req.max_tokens
+        ctx = self.max_context()
+        if len(tokens) >= ctx:
+            raise ApiError(400, f"This model's maximum context length is {ctx} tokens; the "
+                                f"prompt has {len(tokens)}", param="messages" if kind == "chat"
+                           else "prompt", code="context_length_exceeded")
+        max_tokens = limit if limit is not None else min(DEFAULT_MAX_TOKENS, ctx - len(tokens))
+        if len(tokens) + max_tokens > ctx:
+            raise ApiError(400, f"This model's maximum context length is {ctx} tokens. However, "
+                                f"you requested {len(tokens) + max_tokens} tokens "
+                                f"({len(tokens)} in the prompt, {max_tokens} in the completion)",
+                           param="max_tokens", code="context_length_exceeded")
+        sampling = pb.Sampling(temperature=req.temperature, top_p=req.top_p,
+                               max_tokens=max_tokens, stop=req.stops(),
+                               has_seed=req.seed is not None, seed=req.seed or 0,
+                               ignore_eos=req.ignore_eos)
+        rid = uuid.uuid4().hex
+        return Generation(rid, tokens, tenant, sampling, self.use_prefix_cache), max_tokens
+
+    def _chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=True)
+        ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+        return [int(t) for t in ids]
+
+    async def _respond(self, request: web.Request, req: _Common, kind: str, gen: Generation,
+                       max_tokens: int, endpoint: str) -> web.StreamResponse:
+        out = Outcome()
+        self.metrics.inflight.inc()
+        try:
+            if req.stream:
+                resp = await self._stream(request, req, kind, gen, out)
+            else:
+                text = []
+                async for d in self.pipeline.run(gen, out):
+                    text.append(d.text)
+                resp = web.json_response(self._full_body(req, kind, gen, out, "".join(text)))
+                resp.headers.update(self._route_headers(out))
+            self._observe(out, endpoint, "200")
+            return resp
+        except ApiError:
+            raise
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.metrics.requests.labels(endpoint, "client_closed").inc()
+            raise
+        finally:
+            self.metrics.inflight.dec()
+
+    def _observe(self, out: Outcome, endpoint: str, status: str) -> None:
+        now = time.monotonic()
+        m = self.metrics
+        m.requests.labels(endpoint, status).inc()
+        m.prompt_tokens.inc(out.prompt_tokens)
+        m.cached_tokens.inc(out.cached_tokens)
+        m.completion_tokens.inc(out.completion_tokens)
+        if out.attempts > 1:
+            m.retries.inc()
+        m.e2e.observe(now - out.started_at)
+        if out.first_token_at is not None:
+            m.ttft.observe(out.first_token_at - out.started_at)
+            if out.completion_tokens > 1:
+                m.tpot.observe((now - out.first_token_at) / (out.completion_tokens - 1))
+
+    @staticmethod
+    def _route_headers(out: Outcome) -> dict[str, str]:
+        return {"X-Mooncake-Prefill": out.prefill, "X-Mooncake-Decode": out.decode,
+                "X-Mooncake-Cached-Tokens": str(out.cached_tokens)}
+
+    @staticmethod
+    def _usage(out: Outcome) -> dict[str, Any]:
+        return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+                "total_tokens": out.prompt_tokens + out.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+
+    def _full_body(self, req: _Common, kind: str, gen: Generation, out: Outcome,
+                   text: str) -> dict[str, Any]:
+        created = int(time.time())
+        if kind == "chat":
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant",
+                                                              "content": text},
+                                      "finish_reason": out.finish_reason, "logprobs": None}
+            obj, prefix = "chat.completion", "chatcmpl"
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": out.finish_reason,
+                      "logprobs": None}
+            obj, prefix = "text_completion", "cmpl"
+        return {"id": f"{prefix}-{gen.request_id}", "object": obj, "created": created,
+                "model": req.model, "choices": [choice], "usage": self._usage(out)}
+
+    async def _stream(self, request: web.Request, req: _Common, kind: str, gen: Generation,
+                      out: Outcome) -> web.StreamResponse:
+        created = int(time.time())
+        chat = kind == "chat"
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{gen.request_id}"
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        def chunk(d: Delta | None, first: bool) -> dict[str, Any]:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant"} if first else {}
+                if d is not None:
+                    delta["content"] = d.text
+                choice: dict[str, Any] = {"index": 0, "delta": delta,
+                                          "finish_reason": d.finish_reason if d else None,
+                                          "logprobs": None}
+            else:
+                choice = {"index": 0, "text": d.text if d else "",
+                          "finish_reason": d.finish_reason if d else None, "logprobs": None}
+            body = {"id": rid, "object": obj, "created": created, "model": req.model,
+                    "choices": [choice]}
+            if include_usage:
+                body["usage"] = None
+            return body
+
+        resp: web.StreamResponse | None = None
+        events: AsyncIterator[Delta] = self.pipeline.run(gen, out)
+        try:
+            async for d in events:
+                if resp is None:
+                    resp = web.StreamResponse(headers={
+                        "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                        **self._route_headers(out)})
+                    await resp.prepare(request)
+                    await _sse(resp, chunk(d, True))
+                else:
+                    await _sse(resp, chunk(d, False))
+        except ApiError as e:
+            if resp is None:
+                raise
+            await _sse(resp, e.body())  # the OpenAI clients raise on an "error" event
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            self._observe(out, "stream", str(e.status))
+            return resp
+        assert resp is not None
+        if include_usage:
+            await _sse(resp, {"id": rid, "object": obj, "created": created, "model": req.model,
+                              "choices": [], "usage": self._usage(out)})
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+async def _sse(resp: web.StreamResponse, body: dict[str, Any]) -> None:
+    await resp.write(b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n")
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Anything unexpected becomes an OpenAI-style 500; the server keeps running."""
+    try:
+        return await handler(request)  # type: ignore[no-any-return]
+    except web.HTTPException as e:
+        if e.status >= 400:
+            err = ApiError(e.status, e.reason or "error")
+            return web.json_response(err.body(), status=e.status)
+        raise
+    except ApiError as e:
+        return web.json_response(e.body(), status=e.status)
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception:
+        log.exception("unhandled error", extra={"path": request.path})
+        err = ApiError(500, "internal server error", type_="server_error")
+        return web.json_response(err.body(), status=500)
+
+
+def make_app(frontend: Frontend) -> web.Application:
+    app = web.Application(middlewares=[_errors], client_max_size=32 << 20)
+    app.add_routes(frontend.routes())
+    return app

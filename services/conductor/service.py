@@ -1,0 +1,104 @@
+"""The Conductor process: instance pools, the store client, the tokenizer and the HTTP server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from mooncake_k8s.conductor.api import Frontend, load_api_keys, make_app
+from mooncake_k8s.conductor.instances import InstancePool
+from mooncake_k8s.conductor.metrics import ConductorMetrics
+from mooncake_k8s.conductor.pipeline import Pipeline
+from mooncake_k8s.conductor.scheduler import PrefixAwareRouter
+from mooncake_k8s.store.client import StoreClient
+
+if TYPE_CHECKING:
+    from mooncake_k8s.engine import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ConductorConfig:
+    prefill: str
+    decode: str
+    engine: EngineConfig
+    """Only the tokenizer is loaded from it; the workers hold the weights."""
+    master: str | None = None
+    token: str = ""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys_file: str | None = None
+    served_model_name: str | None = None
+    use_prefix_cache: bool = True
+    poll_interval_s: float = 0.5
+
+
+class Conductor:
+    def __init__(self, config: ConductorConfig) -> None:
+        self.config = config
+        self.metrics = ConductorMetrics()
+        self.prefills = InstancePool("prefill", config.prefill, config.token,
+                                     config.poll_interval_s)
+        self.decodes = InstancePool("decode", config.decode, config.token,
+                                    config.poll_interval_s)
+        self.store = (StoreClient(config.master, config.token, timeout_s=2.0)
+                      if config.master else None)
+        keys = load_api_keys(config.api_keys_file) if config.api_keys_file else None
+        self.frontend = Frontend(
+            Pipeline(self.prefills, self.decodes, PrefixAwareRouter(self.store)),
+            self.metrics, keys, config.served_model_name, config.use_prefix_cache)
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        asyncio.get_running_loop().run_in_executor(None, self._load_tokenizer)
+        await self.prefills.start()
+        await self.decodes.start()
+        self._runner = web.AppRunner(make_app(self.frontend), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        server = getattr(site, "_server", None)
+        sockets = getattr(server, "sockets", None) or []
+        self.port = sockets[0].getsockname()[1] if sockets else self.config.port
+
+    def _load_tokenizer(self) -> None:
+        from mooncake_k8s.engine import load_tokenizer
+
+        try:
+            self.frontend.tokenizer = load_tokenizer(self.config.engine)
+        except Exception as e:
+            self.frontend.tokenizer_error = f"{type(e).__name__}: {e}"
+            log.exception("tokenizer failed to load")
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self.prefills.close()
+        await self.decodes.close()
+        if self.store is not None:
+            self.store.close()
+
+
+def run_conductor(config: ConductorConfig) -> None:
+    async def main() -> None:
+        conductor = Conductor(config)
+        await conductor.start()
+        log.info("conductor listening",
+                 extra={"address": f"{config.host}:{conductor.port}",
+                        "auth": conductor.frontend.api_keys is not None})
+        done = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, done.set)
+        await done.wait()
+        log.info("conductor stopping")
+        await conductor.stop()
+
+    asyncio.run(main())

@@ -1,0 +1,237 @@
+"""`mooncake up`: the whole architecture as local processes, one command.
+
+The master, one storage node, N prefill and M decode workers and the Conductor each run as a
+child process on 127.0.0.1 (the same `mooncake` commands a Kubernetes pod runs), sharing a
+random cluster token that exists only in their environment. `LocalCluster` is also what the
+end-to-end tests and the serving benchmark start, so they exercise exactly this.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mooncake_k8s.common.netutil import free_port
+from mooncake_k8s.store.testing import Proc
+
+
+@dataclass
+class UpConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill: int = 1
+    decode: int = 1
+    store_size: int = 1 << 30
+    decode_segment_size: int = 256 << 20
+    api_keys_file: str | None = None
+    use_prefix_cache: bool = True
+    log_dir: str | None = None
+    model: str | None = None
+    served_model_name: str | None = None
+    block_tokens: int = 64
+    device: str | None = None
+    threads: int | None = None
+    ready_timeout_s: float = 600.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+class LocalCluster:
+    def __init__(self, config: UpConfig, echo: Callable[[str], None] = print) -> None:
+        self.config = config
+        self.echo = echo
+        self.token = secrets.token_hex(16)
+        self.log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="mooncake-up-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: dict[str, Proc] = {}
+        self.master_port = free_port(config.host)
+        self.port = config.port or free_port(config.host)
+        self.prefill_ports: list[int] = []
+        self.decode_ports: list[int] = []
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    @property
+    def master(self) -> str:
+        return f"{self.config.host}:{self.master_port}"
+
+    # -- processes -------------------------------------------------------------------------
+
+    def _spawn(self, name: str, args: list[str], metrics_port: int) -> Proc:
+        env = {**os.environ, **self.config.extra_env, "MOONCAKE_CLUSTER_TOKEN": self.token,
+               "PYTHONUNBUFFERED": "1", "MOONCAKE_LOG_FORMAT": "text"}
+        log_path = self.log_dir / f"{name}.log"
+        with open(log_path, "ab") as log:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "mooncake_k8s.cli", *args],
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )
+        proc = Proc(name, args, popen, log_path, metrics_port)
+        self.procs[name] = proc
+        return proc
+
+    def _model_args(self) -> list[str]:
+        c = self.config
+        args = ["--block-tokens", str(c.block_tokens)]
+        for flag, value in (("--model", c.model), ("--served-model-name", c.served_model_name),
+                            ("--device", c.device), ("--threads", c.threads)):
+            if value is not None:
+                args += [flag, str(value)]
+        return args
+
+    def start(self) -> None:
+        c = self.config
+        h = c.host
+        mport = free_port(h)
+        self._spawn("master", ["store", "master", "--host", h, "--port", str(self.master_port),
+                               "--metrics-port", str(mport)], mport)
+        nport = free_port(h)
+        self._spawn("store-node", ["store", "node", "--master", self.master, "--host", h,
+                                   "--node-id", "store-0", "--dram-size", str(c.store_size),
+                                   "--metrics-port", str(nport)], nport)
+        for role, count in (("prefill", c.prefill), ("decode", c.decode)):
+            for i in range(count):
+                port, hport = free_port(h), free_port(h)
+                args = [role, "--host", h, "--port", str(port), "--master", self.master,
+                        "--metrics-port", str(hport), "--instance-id", f"{role}-{i}",
+                        *self._model_args()]
+                if role == "decode":
+                    args += ["--local-segment-size", str(c.decode_segment_size)]
+                    self.decode_ports.append(port)
+                else:
+                    self.prefill_ports.append(port)
+                self._spawn(f"{role}-{i}", args, hport)
+        args = ["conductor", "--host", h, "--port", str(self.port), "--master", self.master,
+                "--prefill", ",".join(f"{h}:{p}" for p in self.prefill_ports),
+                "--decode", ",".join(f"{h}:{p}" for p in self.decode_ports),
+                *self._model_args()]
+        if c.api_keys_file:
+            args += ["--api-keys-file", c.api_keys_file]
+        if not c.use_prefix_cache:
+            args.append("--no-prefix-cache")
+        self._spawn("conductor", args, self.port)
+
+    def wait_ready(self) -> None:
+        """Block until every worker's /readyz and the Conductor's /readyz say 200."""
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        pending = [n for n in self.procs if n.startswith(("prefill", "decode"))] + ["conductor"]
+        while pending:
+            self.check_alive()
+            name = pending[0]
+            if _http_ok(f"http://{self.config.host}:{self.procs[name].metrics_port}/readyz"):
+                self.echo(f"  {name} ready")
+                pending.pop(0)
+                continue
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} not ready within {self.config.ready_timeout_s:.0f}s;"
+                                   f" see {self.procs[name].log_path}")
+            time.sleep(0.2)
+
+    def check_alive(self) -> None:
+        for p in self.procs.values():
+            if not p.alive():
+                tail = p.log()[-4000:]
+                raise RuntimeError(f"{p.name} exited with {p.popen.returncode}:\n{tail}")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        p = self.procs[name]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.popen.pid, sig)
+        p.popen.wait(timeout=30)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM front to back (Conductor, workers, store), then SIGKILL stragglers."""
+        order = sorted(self.procs.values(),
+                       key=lambda p: ("conductor", "prefill", "decode", "store", "master")
+                       .index(p.name.split("-")[0]))
+        for p in order:
+            if p.alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for p in order:
+            try:
+                p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.popen.pid, signal.SIGKILL)
+                p.popen.wait(timeout=10)
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            self.start()
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return bool(r.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def prepare_model(config: UpConfig, echo: Callable[[str], None]) -> None:
+    """Convert and cache the model once, with a progress bar, before the workers race to."""
+    from mooncake_k8s.engine import EngineConfig
+    from mooncake_k8s.engine import prepare_model as _prepare
+
+    echo("preparing the model (first run converts it; later runs use the cache) ...")
+    _prepare(EngineConfig(model=config.model), progress=True)
+
+
+def run_up(config: UpConfig, echo: Callable[[str], None] = print) -> None:
+    prepare_model(config, echo)
+    cluster = LocalCluster(config, echo)
+    stop = {"signal": 0}
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    echo(f"starting master, store node, {config.prefill} prefill, {config.decode} decode and "
+         f"the Conductor (logs: {cluster.log_dir})")
+    code = 0
+    try:
+        cluster.start()
+        cluster.wait_ready()
+        url = cluster.base_url
+        model = config.served_model_name or "SmolLM2-135M-Instruct"
+        auth = ' -H "Authorization: Bearer $KEY"' if config.api_keys_file else ""
+        echo(f"\nmooncake is up: OpenAI API at {url}/v1   (Ctrl-C stops everything)\n")
+        echo(f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+             f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
+             f"\"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32}}'\n")
+        while not stop["signal"]:
+            cluster.check_alive()
+            time.sleep(0.3)
+    except (RuntimeError, TimeoutError) as e:
+        echo(f"error: {e}")
+        code = 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        echo("stopping ...")
+        cluster.stop()
+        echo("stopped")
+    if code:
+        sys.exit(code)
