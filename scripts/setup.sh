@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 # the working directory on sys.path (python -m ...). Never let it.
 export PYTHONSAFEPATH=1
 
-APT_PKGS=(redis-server)
+APT_PKGS=(redis-server curl)
 missing=()
 for p in "${APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -94,6 +94,7 @@ class LocalCluster:
     def start(self) -> None:
         c = self.config
         h = c.host
+        prepare_model(c, self.echo)
         mport = free_port(h)
         self._spawn("master", ["store", "master", "--host", h, "--port", str(self.master_port),
                                "--metrics-port", str(mport)], mport)
@@ -192,15 +193,16 @@ def _http_ok(url: str) -> bool:
 
 def prepare_model(config: UpConfig, echo: Callable[[str], None]) -> None:
     """Convert and cache the model once, with a progress bar, before the workers race to."""
-    from mooncake_k8s.engine import EngineConfig
-    from mooncake_k8s.engine import prepare_model as _prepare
+    if config.model:
+        return  # a local Hugging Face directory needs no conversion
+    from mooncake_k8s.engine.loading import ensure_builtin
 
-    echo("preparing the model (first run converts it; later runs use the cache) ...")
-    _prepare(EngineConfig(model=config.model), progress=True)
+    echo("preparing the built-in model (the first run converts it; later runs use the cache)")
+    path, _sha = ensure_builtin(progress=True)
+    echo(f"  model cache: {path}")
 
 
 def run_up(config: UpConfig, echo: Callable[[str], None] = print) -> None:
-    prepare_model(config, echo)
     cluster = LocalCluster(config, echo)
     stop = {"signal": 0}
 

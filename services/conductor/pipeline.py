@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION,
               grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
-              grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN}
+              grpc.StatusCode.CANCELLED}
 
 
 @dataclass
@@ -80,7 +80,8 @@ class Pipeline:
                                  gen.sampling.max_tokens, gen.use_prefix_cache),
                     self.prefills.usable(), self.decodes.usable())
             except NoCapacity as e:
-                raise ApiError(503, str(e), type_="server_error", code="no_capacity") from e
+                why = f"{e} (last failure: {last_error})" if attempt else str(e)
+                raise ApiError(503, why, type_="server_error", code="no_capacity") from e
             out.prefill, out.decode = route.prefill.instance_id, route.decode.instance_id
             try:
                 resp = await self._prefill(gen, route, attempt)
@@ -121,8 +122,7 @@ class Pipeline:
             raise ApiError(400, e.details() or "invalid request") from e
         if e.code() not in _RETRYABLE:
             raise ApiError(502, msg, type_="server_error") from e
-        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN,
-                        grpc.StatusCode.CANCELLED):
+        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
             pool.mark_failed(inst, msg)
         log.warning("attempt failed", extra={"error": msg})
         return msg

@@ -6,7 +6,8 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -69,8 +70,6 @@ class Conductor:
         self.port = sockets[0].getsockname()[1] if sockets else self.config.port
 
     def _load_tokenizer(self) -> None:
-        from mooncake_k8s.engine import load_tokenizer
-
         try:
             self.frontend.tokenizer = load_tokenizer(self.config.engine)
         except Exception as e:
@@ -84,6 +83,16 @@ class Conductor:
         await self.decodes.close()
         if self.store is not None:
             self.store.close()
+
+
+def load_tokenizer(engine: EngineConfig) -> Any:
+    """The workers' tokenizer without their weights: the Conductor tokenises to route."""
+    from transformers import AutoTokenizer
+
+    from mooncake_k8s.engine.loading import ensure_builtin
+
+    path = Path(engine.model) if engine.model else ensure_builtin(progress=False)[0]
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 def run_conductor(config: ConductorConfig) -> None:

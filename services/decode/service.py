@@ -230,7 +230,9 @@ class DecodeService(Worker):
             except EngineFull:
                 still.append(seq)  # joins when a running sequence finishes
                 continue
-            except MooncakeError as e:
+            except Exception as e:  # a bad sequence fails alone; the loop goes on
+                if not isinstance(e, MooncakeError):
+                    log.exception("adding a sequence failed", extra={"request_id": req.request_id})
                 seq.out.put(e)
                 continue
             seq.blocks = []  # the engine copied the KV; let the staging memory go

@@ -119,9 +119,9 @@ class PrefillService(Worker):
             except StoreError as e:
                 self.m_requests.labels("store_error").inc()
                 ctx.abort(grpc.StatusCode.UNAVAILABLE, f"KV handoff failed: {e}")
-            except MooncakeError as e:
+            except Exception as e:
                 self.m_requests.labels("error").inc()
-                ctx.abort(grpc.StatusCode.INTERNAL, str(e))
+                ctx.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {type(e).__name__}: {e}")
             raise AssertionError("unreachable")
         finally:
             self.release()
