@@ -180,5 +180,15 @@ def _register_serving() -> None:
 _register_serving()
 
 
+def _register_operator() -> None:
+    from mooncake_k8s.operator.cli import COMMANDS as OPERATOR_COMMANDS
+
+    for command in OPERATOR_COMMANDS:
+        main.add_command(command)
+
+
+_register_operator()
+
+
 if __name__ == "__main__":
     main()

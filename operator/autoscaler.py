@@ -1,0 +1,201 @@
+"""The SLO autoscaler's decision: a pure function of a policy, a metric sample and history.
+
+Each interval the operator scrapes every Conductor pod, builds one `MetricsSample`, and calls
+`decide`. The decision runs in three steps:
+
+1. *Recommend* from the latest sample alone: enough prefill pods to keep queued prompt tokens per
+   pod at the target, likewise for decode; one more prefill when the predicted TTFT headroom is
+   negative, one more of each when the rejection rate is above its bound. A usage within 10% of
+   the target keeps the current count (no flapping on noise), and prefill never shrinks while
+   TTFT headroom is under 10% of the SLO.
+2. *Stabilize* per role like the HPA: scale up to the smallest recommendation of the up window
+   (pressure must persist), down to the largest of the down window, and only once the history
+   covers the whole down window (an operator restart never triggers a scale-down).
+3. *Bound*: clamp to each role's min/max, then move the pair into the prefill:decode ratio
+   bounds, raising the smaller side when it can (never dropping capacity to satisfy a ratio).
+
+Multiple Conductor pods: queues and headroom describe shared instances, so the worst value
+(max queue, min headroom) is used; counters are summed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from mooncake_k8s.operator import metrics
+
+TOLERANCE = 0.1
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Policy:
+    prefill_min: int
+    prefill_max: int
+    decode_min: int
+    decode_max: int
+    ratio_min: float
+    ratio_max: float
+    target_prefill_tokens: int
+    target_decode_tokens: int
+    max_rejection_rate: float
+    up_window_s: float
+    down_window_s: float
+    ttft_slo_ms: float
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> Policy:
+        a = spec["autoscaling"]
+        return cls(
+            prefill_min=a["prefill"]["minReplicas"], prefill_max=a["prefill"]["maxReplicas"],
+            decode_min=a["decode"]["minReplicas"], decode_max=a["decode"]["maxReplicas"],
+            ratio_min=float(a["ratio"]["min"]), ratio_max=float(a["ratio"]["max"]),
+            target_prefill_tokens=a["targetQueueTokensPerPrefill"],
+            target_decode_tokens=a["targetQueueTokensPerDecode"],
+            max_rejection_rate=float(a["maxRejectionRate"]),
+            up_window_s=float(a["scaleUpStabilizationSeconds"]),
+            down_window_s=float(a["scaleDownStabilizationSeconds"]),
+            ttft_slo_ms=float(spec["slo"]["ttftMs"]),
+        )
+
+
+@dataclass(frozen=True)
+class MetricsSample:
+    time: float
+    prefill_queue_tokens: float
+    decode_queue_tokens: float
+    ttft_headroom_ms: float | None
+    rejections_total: float
+    requests_total: float
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    time: float
+    prefill: int
+    decode: int
+
+
+@dataclass
+class ScalerState:
+    """Per-cluster memory between decisions (kept by the operator, lost on restart)."""
+
+    last_sample: MetricsSample | None = None
+    history: deque[Recommendation] = field(default_factory=deque)
+
+
+@dataclass(frozen=True)
+class Decision:
+    prefill: int
+    decode: int
+    reason: str
+
+
+def sample_from_texts(texts: Iterable[str], now: float) -> MetricsSample | None:
+    """One sample from the /metrics of every Conductor pod, or None if none had our metrics."""
+    pq, dq, heads, rej, req, seen = [], [], [], 0.0, 0.0, False
+    for text in texts:
+        ss = metrics.samples(text)
+        p = metrics.total(ss, "mooncake_conductor_queue_tokens", role="prefill")
+        d = metrics.total(ss, "mooncake_conductor_queue_tokens", role="decode")
+        if p is None and d is None:
+            continue
+        seen = True
+        pq.append(p or 0.0)
+        dq.append(d or 0.0)
+        h = metrics.total(ss, "mooncake_conductor_predicted_ttft_headroom_ms")
+        if h is not None:
+            heads.append(h)
+        rej += metrics.total(ss, "mooncake_conductor_rejections_total") or 0.0
+        req += metrics.total(ss, "mooncake_conductor_requests_total") or 0.0
+    if not seen:
+        return None
+    return MetricsSample(now, max(pq), max(dq), min(heads) if heads else None, rej, req)
+
+
+def _by_usage(current: int, queue: float, target: int) -> int:
+    if current <= 0:
+        return math.ceil(queue / target)
+    usage = queue / (target * current)
+    if abs(usage - 1.0) <= TOLERANCE:
+        return current
+    return math.ceil(queue / target - _EPS)
+
+
+def clamp(p: int, d: int, pol: Policy) -> tuple[int, int]:
+    p = min(max(p, pol.prefill_min), pol.prefill_max)
+    d = min(max(d, pol.decode_min), pol.decode_max)
+    if p > d * pol.ratio_max + _EPS:
+        need = math.ceil(p / pol.ratio_max - _EPS)
+        if need <= pol.decode_max:
+            d = need
+        else:
+            d = pol.decode_max
+            p = math.floor(d * pol.ratio_max + _EPS)
+    if p < d * pol.ratio_min - _EPS:
+        need = math.ceil(d * pol.ratio_min - _EPS)
+        if need <= pol.prefill_max:
+            p = need
+        else:
+            p = pol.prefill_max
+            d = math.floor(p / pol.ratio_min + _EPS)
+    return p, d
+
+
+def recommend(pol: Policy, current: tuple[int, int], sample: MetricsSample,
+              previous: MetricsSample | None) -> tuple[Recommendation, list[str]]:
+    cur_p, cur_d = current
+    p = _by_usage(cur_p, sample.prefill_queue_tokens, pol.target_prefill_tokens)
+    d = _by_usage(cur_d, sample.decode_queue_tokens, pol.target_decode_tokens)
+    why = [f"queues {sample.prefill_queue_tokens:.0f}/{sample.decode_queue_tokens:.0f} tokens"]
+    head = sample.ttft_headroom_ms
+    if head is not None and head < 0:
+        p = max(p, cur_p + 1)
+        why.append(f"TTFT headroom {head:.0f}ms")
+    elif head is not None and head < TOLERANCE * pol.ttft_slo_ms:
+        p = max(p, cur_p)  # close to the SLO: never shrink prefill here
+    if previous is not None:
+        d_req = sample.requests_total - previous.requests_total
+        d_rej = sample.rejections_total - previous.rejections_total
+        if d_req > 0 and d_rej >= 0 and d_rej / d_req > pol.max_rejection_rate:
+            p, d = max(p, cur_p + 1), max(d, cur_d + 1)
+            why.append(f"rejecting {d_rej / d_req:.1%}")
+    p, d = clamp(p, d, pol)
+    return Recommendation(sample.time, p, d), why
+
+
+def _stabilize(cur: int, ups: list[int], downs: list[int], covered: bool) -> int:
+    up = min(ups)
+    down = max(downs)
+    if up > cur:
+        return up
+    if down < cur and covered:
+        return down
+    return cur
+
+
+def decide(pol: Policy, current: tuple[int, int], state: ScalerState,
+           sample: MetricsSample) -> Decision:
+    """Replica counts for (prefill, decode); updates `state` with this sample."""
+    rec, why = recommend(pol, current, sample, state.last_sample)
+    state.last_sample = sample
+    state.history.append(rec)
+    horizon = max(pol.up_window_s, pol.down_window_s)
+    while state.history and state.history[0].time < sample.time - horizon - _EPS:
+        state.history.popleft()
+    ups = [r for r in state.history if r.time >= sample.time - pol.up_window_s - _EPS]
+    downs = [r for r in state.history if r.time >= sample.time - pol.down_window_s - _EPS]
+    # Scale-down needs a recommendation history as long as the window, else we guess.
+    covered = state.history[0].time <= sample.time - pol.down_window_s + _EPS
+    p = _stabilize(current[0], [r.prefill for r in ups], [r.prefill for r in downs], covered)
+    d = _stabilize(current[1], [r.decode for r in ups], [r.decode for r in downs], covered)
+    p, d = clamp(p, d, pol)
+    if (p, d) == current:
+        reason = f"steady at {p}:{d} ({', '.join(why)})"
+    else:
+        reason = f"prefill {current[0]}->{p}, decode {current[1]}->{d} ({', '.join(why)})"
+    return Decision(p, d, reason)

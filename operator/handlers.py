@@ -1,0 +1,229 @@
+"""kopf handlers: thin shells over `reconcile` (I/O) and the pure render/status/autoscaler.
+
+`build_registry` returns a fresh `kopf.OperatorRegistry` instead of decorating module globals,
+so the CLI and each test get their own handlers, runtime and login.
+
+- create / update / resume of a MooncakeCluster: render, apply, patch status, post an event
+  when a role's revision changes. A spec that cannot be rendered is a permanent error reported
+  as Degraded/InvalidSpec; API failures are retried.
+- a timer per cluster: aggregate status from the children, run the SLO autoscaler, re-apply
+  when the replica counts moved or the drift-repair interval passed.
+- events on MooncakeRoleScalers: re-apply the owning cluster as soon as HPA/KEDA/`kubectl
+  scale` changes a count, without writing anything to the scaler itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, cast
+
+import kopf
+from prometheus_client import Counter, Histogram
+
+from mooncake_k8s.operator import reconcile as rc
+from mooncake_k8s.operator import render, status
+from mooncake_k8s.operator.kube import ApiError, KubeClient
+from mooncake_k8s.operator.schema import GROUP, ROLES, VERSION
+
+Login = Callable[..., Awaitable[kopf.ConnectionInfo | None] | kopf.ConnectionInfo | None]
+CLUSTERS = (GROUP, VERSION, "mooncakeclusters")
+SCALERS = (GROUP, VERSION, "mooncakerolescalers")
+
+log = logging.getLogger(__name__)
+RECONCILES = Counter("mooncake_operator_reconciles", "Cluster applies by trigger and result",
+                     ["trigger", "result"])
+APPLY_SECONDS = Histogram("mooncake_operator_apply_seconds", "Time to apply one cluster")
+DECISIONS = Counter("mooncake_operator_autoscaler_decisions",
+                    "Autoscaler decisions that changed replicas", ["role", "direction"])
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _default_login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
+def build_registry(config: rc.OperatorConfig, login: Login = _default_login,
+                   clock: Callable[[], float] = time.monotonic) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    info: dict[str, kopf.ConnectionInfo] = {}
+
+    async def connection() -> kopf.ConnectionInfo:
+        return info["current"]
+
+    runtime = rc.Runtime(config, KubeClient(connection))
+
+    @kopf.on.startup(registry=registry)
+    async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.persistence.finalizer = f"{GROUP}/finalizer"
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=GROUP, key="last-handled-configuration")
+        # Handler log lines stay logs; the events users see are the ones posted below.
+        settings.posting.level = logging.WARNING
+        settings.watching.server_timeout = 300
+        settings.networking.request_timeout = 60
+
+    @kopf.on.login(registry=registry)
+    async def do_login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        got = login(**kwargs)
+        result = await got if isinstance(got, Awaitable) else got
+        if result is not None:
+            info["current"] = result
+            await runtime.client.close()  # reconnect with the new credentials
+        return result
+
+    @kopf.on.cleanup(registry=registry)
+    async def cleanup(**_: Any) -> None:
+        await runtime.close()
+
+    async def apply_and_report(body: kopf.Body, patch: kopf.Patch, trigger: str) -> None:
+        cluster = rc.plain(body)
+        old_status = cluster.get("status") or {}
+        started = time.perf_counter()
+        try:
+            rendered, _ = await rc.apply(runtime, cluster)
+        except render.SpecError as e:
+            RECONCILES.labels(trigger, "invalid").inc()
+            await _report_invalid(runtime, cluster, patch, str(e))
+            kopf.warn(body, reason="InvalidSpec", message=str(e))
+            raise kopf.PermanentError(str(e)) from e
+        except ApiError as e:
+            RECONCILES.labels(trigger, "error").inc()
+            if e.retryable:
+                raise kopf.TemporaryError(str(e), delay=10) from e
+            raise kopf.PermanentError(str(e)) from e
+        APPLY_SECONDS.observe(time.perf_counter() - started)
+        RECONCILES.labels(trigger, "applied").inc()
+        mem = runtime.memory(cluster)
+        mem.last_apply = clock()
+        mem.last_counts = dict(rendered.replicas)
+        old_revs = {r: (old_status.get("roles") or {}).get(r, {}).get("revision")
+                    for r in ROLES}
+        changed = [r for r in ROLES if old_revs[r] and old_revs[r] != rendered.revisions[r]]
+        if not old_status.get("roles"):
+            kopf.event(body, type="Normal", reason="Applied",
+                       message=f"created {len(rendered.objects)} objects")
+        elif changed:
+            kopf.event(body, type="Normal", reason="RolloutStarted",
+                       message=f"new revision for {', '.join(changed)} (serving revision "
+                               f"{rendered.serving_revision})")
+        observed = await rc.observe(runtime, cluster)
+        new = status.aggregate(cluster, rendered, observed, _now())
+        patch.status.update(rc.status_patch(old_status, new))
+
+    @kopf.on.create(*CLUSTERS, registry=registry)
+    async def on_create(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+        await apply_and_report(body, patch, "create")
+
+    @kopf.on.update(*CLUSTERS, registry=registry)
+    async def on_update(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+        await apply_and_report(body, patch, "update")
+
+    @kopf.on.resume(*CLUSTERS, registry=registry)
+    async def on_resume(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+        await apply_and_report(body, patch, "resume")
+
+    @kopf.on.delete(*CLUSTERS, registry=registry, optional=True)
+    async def on_delete(body: kopf.Body, **_: Any) -> None:
+        # Children carry controller ownerReferences: the API server's garbage collector
+        # deletes them. Only our in-memory state is ours to drop.
+        runtime.forget(body)
+        log.info("cluster %s deleted; its children are garbage-collected through "
+                 "ownerReferences", body["metadata"]["name"])
+
+    @kopf.timer(*CLUSTERS, registry=registry, interval=config.sync_interval_s,
+                initial_delay=min(5.0, config.sync_interval_s))
+    async def sync(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+        cluster = rc.plain(body)
+        meta, spec = cluster["metadata"], cluster["spec"]
+        ns = meta.get("namespace") or "default"
+        mem = runtime.memory(cluster)
+        try:
+            scalers = await rc.read_scalers(runtime.client, ns, meta["name"])
+            reps = rc.resolve_replicas(spec, scalers)
+            observed = await rc.observe(runtime, cluster)
+            now = clock()
+            if spec["autoscaling"]["enabled"]:
+                decision = await rc.autoscale(
+                    runtime, cluster, observed,
+                    (reps.effective["prefill"], reps.effective["decode"]), now)
+                if decision is not None:
+                    _record(body, patch, reps.effective, decision)
+                    reps.effective["prefill"], reps.effective["decode"] = (
+                        decision.prefill, decision.decode)
+            due = now - mem.last_apply >= config.resync_interval_s
+            stale = (cluster.get("status") or {}).get("observedGeneration") != meta.get(
+                "generation", 0)
+            if due or stale or reps.seeds or reps.effective != mem.last_counts:
+                rendered, reps = await rc.apply(runtime, cluster)
+                mem.last_apply, mem.last_counts = now, dict(rendered.replicas)
+                observed = await rc.observe(runtime, cluster)
+            else:
+                rendered = render.render(cluster, reps.effective)
+            new = status.aggregate(cluster, rendered, observed, _now())
+            scalers = await rc.read_scalers(runtime.client, ns, meta["name"])
+            await rc.publish_scaler_status(runtime, cluster, rendered, new, scalers)
+        except render.SpecError:
+            return  # reported by the change handlers; nothing to sync until the spec changes
+        except ApiError as e:
+            raise kopf.TemporaryError(str(e), delay=10) from e
+        patch.status.update(rc.status_patch(cluster.get("status") or {}, new))
+
+    @kopf.on.event(*SCALERS, registry=registry)
+    async def scaler_event(body: kopf.Body, type: str | None, **_: Any) -> None:
+        if type not in ("ADDED", "MODIFIED"):
+            return
+        spec = body.get("spec", {})
+        ns = body["metadata"].get("namespace") or "default"
+        key = (ns, spec.get("clusterName", ""))
+        mem = runtime.clusters.get(key)
+        wanted = spec.get("replicas")
+        if mem is None or wanted is None or mem.last_counts.get(spec.get("role")) == wanted:
+            return  # not ours yet, or nothing moved
+        cluster = await runtime.client.get(GROUP + "/" + VERSION, "MooncakeCluster", *key)
+        if cluster is None or cluster["metadata"].get("deletionTimestamp"):
+            return
+        try:
+            rendered, _reps = await rc.apply(runtime, cluster)
+        except render.SpecError:
+            return
+        mem.last_apply, mem.last_counts = clock(), dict(rendered.replicas)
+        RECONCILES.labels("scale", "applied").inc()
+        kopf.event(kopf.Body(cast(kopf.RawBody, cluster)), type="Normal", reason="Scaled",
+                   message=f"{spec.get('role')} -> {rendered.replicas[spec['role']]} replicas")
+
+    def _record(body: kopf.Body, patch: kopf.Patch, current: dict[str, int],
+                decision: Any) -> None:
+        for role, new in (("prefill", decision.prefill), ("decode", decision.decode)):
+            if new != current[role]:
+                DECISIONS.labels(role, "up" if new > current[role] else "down").inc()
+        if (decision.prefill, decision.decode) != (current["prefill"], current["decode"]):
+            kopf.event(body, type="Normal", reason="Autoscaled", message=decision.reason)
+            patch.status["autoscaling"] = {"prefill": decision.prefill,
+                                           "decode": decision.decode,
+                                           "reason": decision.reason[:500], "time": _now()}
+
+    return registry
+
+
+async def _report_invalid(runtime: rc.Runtime, cluster: dict[str, Any], patch: kopf.Patch,
+                          error: str) -> None:
+    """Degraded/InvalidSpec in status, with whatever the children look like right now."""
+    spec = cluster["spec"]
+    counts = {r: int(spec["roles"][r]["replicas"]) for r in ROLES}
+    rendered = render.Rendered([], {r: "" for r in ROLES}, "", counts)
+    try:
+        observed = await rc.observe(runtime, cluster, error)
+    except ApiError:
+        observed = status.Observed({}, [], None, error)
+    new = status.aggregate(cluster, rendered, observed, _now())
+    new.pop("servingRevision", None)
+    for r in new["roles"].values():
+        r.pop("revision", None)
+    patch.status.update(rc.status_patch(cluster.get("status") or {}, new))

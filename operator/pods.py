@@ -1,0 +1,422 @@
+"""Pod templates for each role, configured entirely through `mooncake` CLI environment variables.
+
+Pure: a defaulted spec in, plain dicts out. `render.py` wraps these templates into workloads and
+hashes them into per-role revisions, so anything that must not restart a role (replica counts,
+the ConfigMap's content, status) never reaches a template.
+
+Servers bind the pod IP from the downward API (the CLI refuses 0.0.0.0 unless told), except the
+Conductor, whose HTTP API is the front door and must also answer `kubectl port-forward`.
+The cluster token only ever comes from a Secret reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import shlex
+from typing import Any
+
+from mooncake_k8s.operator import naming
+from mooncake_k8s.operator.schema import DATA_ROLES
+
+Obj = dict[str, Any]
+UID = 10001
+MODEL_DIR = "/models"
+RUN_DIR = "/var/run/mooncake"
+RDMA_RECORD = f"{RUN_DIR}/rdma.json"
+SSD_DIR = "/var/lib/mooncake/ssd"
+CACHE_DIR = "/var/cache/mooncake"
+SHM_MARGIN = 256 << 20
+BUILTIN_MODEL_NAME = "smollm2-135m-instruct"
+
+_DOWNLOAD = (
+    "import sys; from huggingface_hub import snapshot_download; "
+    "snapshot_download(repo_id=sys.argv[1], revision=sys.argv[2], local_dir=sys.argv[3])"
+)
+
+
+class Ctx:
+    """Everything a role's template depends on, resolved once per render."""
+
+    def __init__(self, cluster: str, namespace: str, spec: Obj, serving_revision: str) -> None:
+        self.cluster = cluster
+        self.namespace = namespace
+        self.spec = spec
+        self.serving_revision = serving_revision
+        domain = spec["clusterDomain"]
+        self.master_addr = (
+            f"{naming.service_fqdn(naming.name(cluster, 'master'), namespace, domain)}:"
+            f"{naming.PORTS['master']['grpc']}")
+        self.domain = domain
+
+    def image(self, role: str) -> str:
+        override: str | None = self.spec["roles"][role].get("image")
+        if override:
+            return override
+        if role in ("prefill", "decode") and self.spec["engine"].get("image"):
+            return str(self.spec["engine"]["image"])
+        return str(self.spec["image"])
+
+    def token_env(self) -> Obj:
+        ref = self.spec.get("clusterTokenSecret") or {
+            "name": f"{self.cluster}-cluster-token", "key": "token"}
+        return {"name": "MOONCAKE_CLUSTER_TOKEN",
+                "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}}}
+
+    def rdma_on(self, role: str) -> bool:
+        return bool(self.spec["rdma"]["enabled"]) and role in DATA_ROLES
+
+
+def _env(name: str, value: Any) -> Obj:
+    return {"name": name, "value": str(value)}
+
+
+def _field_env(name: str, path: str) -> Obj:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def _base_env(ctx: Ctx) -> list[Obj]:
+    # Downward-API values first: later entries refer to them as $(MOONCAKE_POD_IP).
+    return [
+        _field_env("MOONCAKE_POD_IP", "status.podIP"),
+        _field_env("MOONCAKE_POD_NAME", "metadata.name"),
+        ctx.token_env(),
+        _env("MOONCAKE_LOG_LEVEL", ctx.spec["logLevel"]),
+        _env("MOONCAKE_LOG_FORMAT", ctx.spec["logFormat"]),
+        _env("HOME", "/tmp"),
+        _env("XDG_CACHE_HOME", CACHE_DIR),
+        _env("HF_HOME", f"{CACHE_DIR}/huggingface"),
+    ]
+
+
+def _http_probe(path: str, port: str, period: int, failures: int) -> Obj:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period,
+            "timeoutSeconds": 5, "failureThreshold": failures}
+
+
+def _tcp_probe(port: str, period: int, failures: int) -> Obj:
+    return {"tcpSocket": {"port": port}, "periodSeconds": period, "timeoutSeconds": 5,
+            "failureThreshold": failures}
+
+
+def _security(ipc_lock: bool = False) -> Obj:
+    caps: Obj = {"drop": ["ALL"]}
+    if ipc_lock:
+        caps["add"] = ["IPC_LOCK"]  # RDMA memory registration pins pages
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True, "capabilities": caps}
+
+
+def _resources(ctx: Ctx, role: str) -> Obj:
+    res = copy.deepcopy(ctx.spec["roles"][role].get("resources") or {})
+    if ctx.rdma_on(role):
+        rname, count = ctx.spec["rdma"]["resourceName"], ctx.spec["rdma"]["count"]
+        # Extended resources need requests == limits; setting limits implies the request.
+        res.setdefault("limits", {})[rname] = count
+        if "requests" in res:
+            res["requests"][rname] = count
+    return {k: v for k, v in res.items() if v}
+
+
+def _ports(role: str) -> list[Obj]:
+    return [{"name": n, "containerPort": p, "protocol": "TCP"}
+            for n, p in naming.PORTS[role].items()]
+
+
+def _shm(size_bytes: int) -> tuple[Obj, Obj]:
+    vol = {"name": "dshm", "emptyDir": {"medium": "Memory",
+                                        "sizeLimit": naming.format_bytes(size_bytes)}}
+    return vol, {"name": "dshm", "mountPath": "/dev/shm"}
+
+
+def _scratch() -> tuple[list[Obj], list[Obj]]:
+    vols = [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}]
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR}]
+    return vols, mounts
+
+
+def _model(ctx: Ctx) -> tuple[str, list[Obj], list[Obj], list[Obj]]:
+    """MOONCAKE_MODEL, volumes, mounts, init containers for the model source."""
+    m = ctx.spec["model"]
+    mount = {"name": "model", "mountPath": MODEL_DIR, "readOnly": True}
+    if "pvc" in m:
+        vol = {"name": "model", "persistentVolumeClaim": {"claimName": m["pvc"]["claimName"],
+                                                          "readOnly": True}}
+        return _join(MODEL_DIR, m["pvc"]["path"]), [vol], [mount], []
+    if "hostPath" in m:
+        vol = {"name": "model", "hostPath": {"path": m["hostPath"]["path"],
+                                             "type": "Directory"}}
+        return MODEL_DIR, [vol], [mount], []
+    if "image" in m:
+        vol = {"name": "model", "image": {"reference": m["image"]["reference"],
+                                          "pullPolicy": ctx.spec["imagePullPolicy"]}}
+        return _join(MODEL_DIR, m["image"]["path"]), [vol], [mount], []
+    if "huggingFace" in m:
+        hf = m["huggingFace"]
+        vol = {"name": "model", "emptyDir": {"sizeLimit": _q(hf["cacheSize"])}}
+        env = [_env("HOME", "/tmp"), _env("HF_HOME", f"{MODEL_DIR}/.hf")]
+        if "tokenSecret" in hf:
+            env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+                "name": hf["tokenSecret"]["name"], "key": hf["tokenSecret"]["key"]}}})
+        init = {
+            "name": "model-download",
+            "image": ctx.image("prefill"),
+            "imagePullPolicy": ctx.spec["imagePullPolicy"],
+            "command": ["python", "-c", _DOWNLOAD, hf["id"], hf["revision"], f"{MODEL_DIR}/hf"],
+            "env": env,
+            "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR},
+                             {"name": "tmp", "mountPath": "/tmp"}],
+            "securityContext": _security(),
+        }
+        return f"{MODEL_DIR}/hf", [vol], [mount], [init]
+    return "", [], [], []
+
+
+def _join(root: str, sub: str) -> str:
+    return f"{root}/{sub}" if sub else root
+
+
+def _q(value: int | str) -> str:
+    return naming.format_bytes(naming.parse_bytes(value))
+
+
+def served_model_name(spec: Obj) -> str:
+    m = spec["model"]
+    if m.get("servedName"):
+        return str(m["servedName"])
+    if "huggingFace" in m:
+        return str(m["huggingFace"]["id"])
+    if any(k in m for k in ("pvc", "hostPath", "image")):
+        return "model"
+    return BUILTIN_MODEL_NAME
+
+
+def _rdma_probe(ctx: Ctx, role: str) -> Obj:
+    args = ["rdma-probe", "--output", RDMA_RECORD]
+    if ctx.spec["rdma"]["required"]:
+        args.append("--required")
+    rname, count = ctx.spec["rdma"]["resourceName"], ctx.spec["rdma"]["count"]
+    return {
+        "name": "rdma-probe",
+        "image": ctx.image(role),
+        "imagePullPolicy": ctx.spec["imagePullPolicy"],
+        "args": args,
+        # The kubelet keeps the last 4 KiB written here in the pod's status: the operator reads
+        # the probe's JSON record from there to report RDMAReady without exec'ing into pods.
+        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePolicy": "File",
+        "resources": {"limits": {rname: count, "cpu": "100m", "memory": "64Mi"}},
+        "volumeMounts": [{"name": "run", "mountPath": RUN_DIR}],
+        "securityContext": _security(ctx.rdma_on(role)),
+    }
+
+
+def _rdma_affinity(ctx: Ctx, role: str, affinity: Obj) -> Obj:
+    if not ctx.rdma_on(role):
+        return affinity
+    out = copy.deepcopy(affinity)
+    expr = {"key": ctx.spec["rdma"]["nodeLabel"], "operator": "In", "values": ["true"]}
+    node = out.setdefault("nodeAffinity", {})
+    if ctx.spec["rdma"]["required"]:
+        req = node.setdefault("requiredDuringSchedulingIgnoredDuringExecution",
+                              {"nodeSelectorTerms": []})
+        terms = req.setdefault("nodeSelectorTerms", [])
+        if not terms:
+            terms.append({"matchExpressions": []})
+        for t in terms:  # terms are ORed: every alternative must also be RDMA-capable
+            t.setdefault("matchExpressions", []).append(expr)
+    else:
+        node.setdefault("preferredDuringSchedulingIgnoredDuringExecution", []).append(
+            {"weight": 100, "preference": {"matchExpressions": [expr]}})
+    return out
+
+
+def _role_env(ctx: Ctx, role: str) -> tuple[list[Obj], list[str]]:
+    """Role-specific environment and container args."""
+    spec, p = ctx.spec, naming.PORTS[role]
+    if role == "master":
+        env = [_env("MOONCAKE_MASTER_HOST", "$(MOONCAKE_POD_IP)"),
+               _env("MOONCAKE_MASTER_PORT", p["grpc"]),
+               _env("MOONCAKE_MASTER_METRICS_PORT", p["metrics"]),
+               _env("MOONCAKE_HIGH_WATERMARK", spec["store"]["highWatermark"]),
+               _env("MOONCAKE_LOW_WATERMARK", spec["store"]["lowWatermark"])]
+        backend = spec["metadataBackend"]
+        if backend["type"] == "redis":
+            ref = backend["redisUrlSecret"]
+            env += [_env("MOONCAKE_METADATA_BACKEND", "redis"),
+                    {"name": "MOONCAKE_REDIS_URL", "valueFrom": {"secretKeyRef": {
+                        "name": ref["name"], "key": ref["key"]}}}]
+        return env, ["store", "master"]
+    if role == "store":
+        env = [_env("MOONCAKE_MASTER", ctx.master_addr),
+               _env("MOONCAKE_NODE_ID", "$(MOONCAKE_POD_NAME)"),
+               _env("MOONCAKE_NODE_HOST", "$(MOONCAKE_POD_IP)"),
+               _env("MOONCAKE_NODE_PORT", p["transfer"]),
+               _env("MOONCAKE_NODE_ADVERTISE_HOST", "$(MOONCAKE_POD_IP)"),
+               _env("MOONCAKE_DRAM_SIZE", naming.parse_bytes(spec["store"]["dramPerNode"])),
+               _env("MOONCAKE_NODE_METRICS_PORT", p["metrics"])]
+        if "ssd" in spec["store"]:
+            ssd = naming.parse_bytes(spec["store"]["ssd"]["size"]) * 95 // 100
+            env += [_env("MOONCAKE_SSD_DIR", SSD_DIR), _env("MOONCAKE_SSD_SIZE", ssd)]
+        return env, ["store", "node"]
+    if role == "conductor":
+        def dns(r: str) -> str:
+            host = naming.service_fqdn(naming.name(ctx.cluster, r), ctx.namespace, ctx.domain)
+            return f"dns:{host}:{naming.PORTS[r]['grpc']}"
+
+        env = [_env("MOONCAKE_CONDUCTOR_PORT", p["http"]),
+               _env("MOONCAKE_MASTER", ctx.master_addr),
+               _env("MOONCAKE_PREFILL", dns("prefill")),
+               _env("MOONCAKE_DECODE", dns("decode")),
+               _env("MOONCAKE_TTFT_SLO_MS", spec["slo"]["ttftMs"]),
+               _env("MOONCAKE_TBT_SLO_MS", spec["slo"]["tbtMs"])]
+        if spec["roles"]["conductor"].get("apiKeysSecret"):
+            env.append(_env("MOONCAKE_API_KEYS_FILE", "/etc/mooncake/api-keys/api-keys"))
+        return env, ["conductor", "--host", "0.0.0.0", "--allow-any-address"]
+    # prefill / decode
+    model_path, _, _, _ = _model(ctx)
+    env = [_env("MOONCAKE_HOST", "$(MOONCAKE_POD_IP)"),
+           _env("MOONCAKE_PORT", p["grpc"]),
+           _env("MOONCAKE_ADVERTISE_HOST", "$(MOONCAKE_POD_IP)"),
+           _env("MOONCAKE_METRICS_PORT", p["metrics"]),
+           _env("MOONCAKE_INSTANCE_ID", "$(MOONCAKE_POD_NAME)"),
+           _env("MOONCAKE_REVISION", ctx.serving_revision),
+           _env("MOONCAKE_MASTER", ctx.master_addr),
+           _env("MOONCAKE_ENGINE", spec["engine"]["kind"]),
+           _env("MOONCAKE_MODEL", model_path),
+           _env("MOONCAKE_SERVED_MODEL_NAME", served_model_name(spec)),
+           _env("MOONCAKE_BLOCK_TOKENS", spec["store"]["blockTokens"]),
+           _env("MOONCAKE_TRANSFER_PROTOCOL", spec["transferProtocol"]),
+           _env("MOONCAKE_STORE_REPLICAS", spec["store"]["replicationFactor"])]
+    if spec["engine"].get("args"):
+        env.append(_env("MOONCAKE_ENGINE_ARGS", shlex.join(spec["engine"]["args"])))
+    if role == "decode":
+        env.append(_env("MOONCAKE_LOCAL_SEGMENT_SIZE",
+                        naming.parse_bytes(spec["roles"]["decode"]["localSegmentSize"])))
+    return env, [role]
+
+
+def shm_bytes(spec: Obj, role: str) -> int | None:
+    r = spec["roles"][role]
+    if role == "store":
+        return naming.parse_bytes(spec["store"]["dramPerNode"]) + SHM_MARGIN
+    if role == "decode":
+        if r.get("shmSize") is not None:
+            return naming.parse_bytes(r["shmSize"])
+        return naming.parse_bytes(r["localSegmentSize"]) + (1 << 30)
+    if role == "prefill":
+        return naming.parse_bytes(r["shmSize"])
+    return None
+
+
+def _probes(role: str) -> Obj:
+    if role in ("prefill", "decode"):
+        # Loading weights can take many minutes; the startup probe holds liveness off meanwhile.
+        return {"startupProbe": _http_probe("/healthz", "metrics", 10, 180),
+                "livenessProbe": _http_probe("/healthz", "metrics", 10, 6),
+                "readinessProbe": _http_probe("/readyz", "metrics", 5, 3)}
+    if role == "conductor":
+        return {"livenessProbe": _http_probe("/healthz", "http", 10, 6),
+                "readinessProbe": _http_probe("/readyz", "http", 5, 3)}
+    port = "grpc" if role == "master" else "transfer"
+    return {"startupProbe": _tcp_probe(port, 5, 60), "livenessProbe": _tcp_probe(port, 10, 6),
+            "readinessProbe": _tcp_probe(port, 5, 3)}
+
+
+def pod_template(ctx: Ctx, role: str) -> Obj:
+    """The role's PodTemplateSpec before the user's podTemplate override is merged in."""
+    spec, rspec = ctx.spec, ctx.spec["roles"][role]
+    env, args = _role_env(ctx, role)
+    volumes, mounts = _scratch()
+    init: list[Obj] = []
+    size = shm_bytes(spec, role)
+    if size is not None:
+        v, m = _shm(size)
+        volumes.append(v)
+        mounts.append(m)
+    if ctx.rdma_on(role):  # first: it takes a second, the model download may take an hour
+        volumes.append({"name": "run", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}})
+        mounts.append({"name": "run", "mountPath": RUN_DIR, "readOnly": True})
+        init.append(_rdma_probe(ctx, role))
+    if role in ("prefill", "decode"):
+        _, mvols, mmounts, minit = _model(ctx)
+        volumes += mvols
+        mounts += mmounts
+        init += minit
+    if role == "store" and "ssd" in spec["store"]:
+        mounts.append({"name": "ssd", "mountPath": SSD_DIR})
+    if role == "conductor":
+        volumes.append({"name": "config", "configMap": {
+            "name": naming.name(ctx.cluster, "config")}})
+        mounts.append({"name": "config", "mountPath": "/etc/mooncake/cluster",
+                       "readOnly": True})
+        if rspec.get("apiKeysSecret"):
+            volumes.append({"name": "api-keys", "secret": {"secretName": rspec["apiKeysSecret"],
+                                                           "defaultMode": 0o440}})
+            mounts.append({"name": "api-keys", "mountPath": "/etc/mooncake/api-keys",
+                           "readOnly": True})
+    container: Obj = {
+        "name": role,
+        "image": ctx.image(role),
+        "imagePullPolicy": spec["imagePullPolicy"],
+        "args": args,
+        "env": _base_env(ctx) + env,
+        "ports": _ports(role),
+        "volumeMounts": mounts,
+        "securityContext": _security(ctx.rdma_on(role)),
+        **_probes(role),
+    }
+    res = _resources(ctx, role)
+    if res:
+        container["resources"] = res
+    labels = naming.labels(ctx.cluster, role)
+    if role in ("prefill", "decode"):
+        labels[naming.LABEL_SERVING_REVISION] = ctx.serving_revision
+    pod: Obj = {
+        "serviceAccountName": spec.get("serviceAccountName") or None,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 60 if role in ("prefill", "decode") else 30,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID,
+                            "fsGroup": UID, "seccompProfile": {"type": "RuntimeDefault"}},
+        "initContainers": init or None,
+        "containers": [container],
+        "volumes": volumes,
+        "nodeSelector": rspec.get("nodeSelector") or None,
+        "tolerations": rspec.get("tolerations") or None,
+        "affinity": _rdma_affinity(ctx, role, rspec.get("affinity") or {}) or None,
+        "priorityClassName": rspec.get("priorityClassName") or None,
+        "imagePullSecrets": [{"name": s} for s in spec.get("imagePullSecrets") or []] or None,
+    }
+    if role in ("prefill", "decode", "store"):
+        pod["topologySpreadConstraints"] = [{
+            "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": naming.selector(ctx.cluster, role)}}]
+    template = {"metadata": {"labels": labels},
+                "spec": {k: v for k, v in pod.items() if v is not None}}
+    merged: Obj = merge_override(template, rspec.get("podTemplate") or {})
+    return merged
+
+
+_NAMED_LISTS = {"containers", "initContainers", "env", "volumes", "volumeMounts", "ports",
+                "imagePullSecrets"}
+
+
+def merge_override(base: Any, override: Any, key: str = "") -> Any:
+    """Merge a user's partial template: maps recurse, named lists merge by name, else replace."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for k, v in override.items():
+            out[k] = merge_override(base[k], v, k) if k in base else copy.deepcopy(v)
+        return out
+    if (key in _NAMED_LISTS and isinstance(base, list) and isinstance(override, list)
+            and all(isinstance(i, dict) and "name" in i for i in base + override)):
+        merged = [copy.deepcopy(i) for i in base]
+        index = {i["name"]: n for n, i in enumerate(merged)}
+        for item in override:
+            if item["name"] in index:
+                merged[index[item["name"]]] = merge_override(merged[index[item["name"]]], item)
+            else:
+                merged.append(copy.deepcopy(item))
+        return merged
+    return copy.deepcopy(override)

@@ -1,0 +1,588 @@
+"""The one source of truth for the `MooncakeCluster` and `MooncakeRoleScaler` OpenAPI schemas.
+
+`crds.py` wraps these schemas into CustomResourceDefinitions (checked in under `crds/`, a test
+fails when they drift); `validation.py` evaluates the same schemas offline (jsonschema for the
+structure, a CEL interpreter for `x-kubernetes-validations`) so `mooncake render` rejects what the
+API server would reject; `spec.py` reads the defaulted result. Every field carries a description
+because `kubectl explain` shows exactly these strings to platform engineers.
+
+Pure data: no I/O, no Kubernetes client.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Schema = dict[str, Any]
+
+GROUP = "mooncake.io"
+VERSION = "v1alpha1"
+ROLES = ("conductor", "prefill", "decode", "store", "master")
+# Roles whose pods move KV bytes and therefore get RDMA devices, /dev/shm and IPC_LOCK.
+DATA_ROLES = ("prefill", "decode", "store")
+DEFAULT_IMAGE = "mooncake-k8s:0.1.0"
+
+# Byte sizes as Kubernetes quantities (binary or decimal suffixes, no exponents or millis).
+SIZE_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+
+
+def _d(schema: Schema, desc: str, default: Any = None) -> Schema:
+    schema["description"] = desc
+    if default is not None:
+        schema["default"] = default
+    return schema
+
+
+def string(desc: str, *, default: str | None = None, enum: tuple[str, ...] | None = None,
+           pattern: str | None = None, min_length: int | None = None,
+           max_length: int | None = None) -> Schema:
+    s: Schema = {"type": "string"}
+    if enum is not None:
+        s["enum"] = list(enum)
+    if pattern is not None:
+        s["pattern"] = pattern
+    if min_length is not None:
+        s["minLength"] = min_length
+    if max_length is not None:
+        s["maxLength"] = max_length
+    return _d(s, desc, default)
+
+
+def integer(desc: str, *, default: int | None = None, minimum: int | None = None,
+            maximum: int | None = None) -> Schema:
+    s: Schema = {"type": "integer"}
+    if minimum is not None:
+        s["minimum"] = minimum
+    if maximum is not None:
+        s["maximum"] = maximum
+    return _d(s, desc, default)
+
+
+def number(desc: str, *, default: float | None = None, minimum: float | None = None,
+           maximum: float | None = None) -> Schema:
+    s: Schema = {"type": "number"}
+    if minimum is not None:
+        s["minimum"] = minimum
+    if maximum is not None:
+        s["maximum"] = maximum
+    return _d(s, desc, default)
+
+
+def boolean(desc: str, *, default: bool | None = None) -> Schema:
+    return _d({"type": "boolean"}, desc, default)
+
+
+def size(desc: str, *, default: str | None = None) -> Schema:
+    """A byte quantity such as `4Gi`; a plain integer is a byte count."""
+    s: Schema = {
+        "x-kubernetes-int-or-string": True,
+        "anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": SIZE_PATTERN}],
+    }
+    return _d(s, desc, default)
+
+
+def quantity_map(desc: str) -> Schema:
+    return _d({
+        "type": "object",
+        "additionalProperties": {
+            "x-kubernetes-int-or-string": True,
+            "anyOf": [{"type": "integer"}, {"type": "string"}],
+        },
+    }, desc)
+
+
+def string_map(desc: str) -> Schema:
+    return _d({"type": "object", "additionalProperties": {"type": "string"}}, desc)
+
+
+def free_object(desc: str) -> Schema:
+    """An object passed through to Kubernetes as written (affinity, pod template overrides)."""
+    return _d({"type": "object", "x-kubernetes-preserve-unknown-fields": True}, desc)
+
+
+def array(desc: str, items: Schema, *, max_items: int | None = None) -> Schema:
+    s: Schema = {"type": "array", "items": items}
+    if max_items is not None:
+        s["maxItems"] = max_items
+    return _d(s, desc)
+
+
+def rule(expr: str, message: str, *, field_path: str | None = None) -> Schema:
+    r: Schema = {"rule": expr, "message": message}
+    if field_path is not None:
+        r["fieldPath"] = field_path
+    return r
+
+
+def obj(desc: str, props: dict[str, Schema], *, required: tuple[str, ...] = (),
+        default: dict[str, Any] | None = None, rules: tuple[Schema, ...] = ()) -> Schema:
+    s: Schema = {"type": "object", "properties": props}
+    if required:
+        s["required"] = list(required)
+    if rules:
+        s["x-kubernetes-validations"] = list(rules)
+    return _d(s, desc, default)
+
+
+def secret_key_ref(desc: str, default_key: str) -> Schema:
+    return obj(desc, {
+        "name": string("Name of a Secret in the cluster's namespace.", pattern=DNS_SUBDOMAIN,
+                       max_length=253),
+        "key": string("Key inside the Secret.", default=default_key, min_length=1),
+    }, required=("name",))
+
+
+# --------------------------------------------------------------------------------------------
+# spec
+
+
+def _model() -> Schema:
+    sources = ("huggingFace", "pvc", "hostPath", "image")
+    count = " + ".join(f"(has(self.{s}) ? 1 : 0)" for s in sources)
+    return obj(
+        "Which model prefill and decode serve and where its files come from. Set at most one "
+        "source; with none, the embedded engine serves its built-in SmolLM2-135M-Instruct.",
+        {
+            "servedName": string(
+                "Model name clients pass as `model` in OpenAI requests and see in /v1/models. "
+                "Defaults to the Hugging Face id, or `smollm2-135m-instruct` for the built-in "
+                "model.", max_length=256),
+            "huggingFace": obj(
+                "Download the model from the Hugging Face Hub in an init container into a "
+                "per-pod volume before the engine starts.",
+                {
+                    "id": string("Repository id, for example `Qwen/Qwen2.5-7B-Instruct`.",
+                                 pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"),
+                    "revision": string("Branch, tag or commit to download; pin a commit in "
+                                       "production so every pod serves identical weights.",
+                                       default="main", min_length=1),
+                    "tokenSecret": secret_key_ref(
+                        "Secret holding a Hub token for gated models (exposed as HF_TOKEN to the "
+                        "download container only).", "HF_TOKEN"),
+                    "cacheSize": size("Size limit of the emptyDir the model is downloaded into.",
+                                      default="64Gi"),
+                },
+                required=("id",),
+            ),
+            "pvc": obj(
+                "Mount the model from an existing PersistentVolumeClaim (read-only; use a "
+                "ReadOnlyMany or ReadWriteMany claim when pods span nodes).",
+                {
+                    "claimName": string("Name of the PersistentVolumeClaim.", pattern=DNS_LABEL,
+                                        max_length=253),
+                    "path": string("Directory of the model inside the volume.", default="",
+                                   pattern=r"^([^/.][^/]*(/[^/.][^/]*)*)?$"),
+                },
+                required=("claimName",),
+            ),
+            "hostPath": obj(
+                "Mount the model from a directory on every node (it must exist on each node "
+                "prefill and decode can be scheduled on).",
+                {"path": string("Absolute directory on the node.", pattern=r"^/.*")},
+                required=("path",),
+            ),
+            "image": obj(
+                "Mount the model from an OCI image through an `image` volume (Kubernetes "
+                "1.33+ with the ImageVolume feature).",
+                {
+                    "reference": string("Image reference holding the model files.",
+                                        min_length=1),
+                    "path": string("Directory of the model inside the image.", default="",
+                                   pattern=r"^([^/.][^/]*(/[^/.][^/]*)*)?$"),
+                },
+                required=("reference",),
+            ),
+        },
+        default={},
+        rules=(rule(f"{count} <= 1",
+                    "model: set at most one of huggingFace, pvc, hostPath, image"),),
+    )
+
+
+def _engine() -> Schema:
+    return obj(
+        "The inference engine prefill and decode run.",
+        {
+            "kind": string("`embedded` (PyTorch, CPU or CUDA, for small models and laptops) or "
+                           "`sglang` (GPU workers wired to this project's KV store).",
+                           default="embedded", enum=("embedded", "sglang")),
+            "image": string("Image for prefill and decode when it differs from spec.image "
+                            "(for example an SGLang build); it must carry the `mooncake` CLI."),
+            "args": array("Extra arguments passed to the engine (SGLang server flags).",
+                          string("One argument."), max_items=64),
+        },
+        default={},
+    )
+
+
+def _role(name: str, replicas: int, extra: dict[str, Schema] | None = None,
+          rules: tuple[Schema, ...] = ()) -> Schema:
+    props: dict[str, Schema] = {
+        "replicas": integer(
+            f"Initial number of {name} pods. Later changes here re-seed the role's "
+            "MooncakeRoleScaler; HPA, KEDA or the built-in autoscaler may then change it.",
+            default=replicas, minimum=1 if name == "master" else 0, maximum=1000),
+        "image": string(f"Image for {name} pods when it differs from the cluster default."),
+        "resources": obj(f"Compute resources of the {name} container.", {
+            "limits": quantity_map("Maximum resources (cpu, memory, nvidia.com/gpu, ...)."),
+            "requests": quantity_map("Resources the scheduler reserves."),
+        }, default={}),
+        "nodeSelector": string_map(f"Node labels {name} pods must match."),
+        "tolerations": array(f"Tolerations of {name} pods.",
+                             free_object("A core/v1 Toleration."), max_items=64),
+        "affinity": free_object(f"A core/v1 Affinity for {name} pods; RDMA node affinity is "
+                                "added to it, never replaced."),
+        "priorityClassName": string(f"PriorityClass of {name} pods."),
+        "podTemplate": free_object(
+            f"A partial PodTemplateSpec merged over the rendered {name} template: maps merge "
+            "recursively, lists of named items (containers, env, volumes, volumeMounts, ports) "
+            "merge by name, other lists replace. Use it for what the spec does not cover."),
+        "maxUnavailable": integer(
+            f"PodDisruptionBudget for {name}: pods that voluntary disruptions (drains) may take "
+            "down at once.", default=1, minimum=0),
+    }
+    props.update(extra or {})
+    return obj(f"The {name} role.", props, default={}, rules=rules)
+
+
+def _roles() -> Schema:
+    return obj("Per-role pod settings.", {
+        "conductor": _role("conductor", 1, {
+            "service": obj("How the Conductor's OpenAI-compatible API is exposed.", {
+                "type": string("Service type.", default="ClusterIP",
+                               enum=("ClusterIP", "NodePort", "LoadBalancer")),
+                "port": integer("Service port of the HTTP API.", default=8000, minimum=1,
+                                maximum=65535),
+                "annotations": string_map("Annotations for the Service (load balancer "
+                                          "settings)."),
+            }, default={}),
+            "apiKeysSecret": string(
+                "Secret whose key `api-keys` lists accepted API keys, one per line. Without it "
+                "the API accepts any client that can reach it.", pattern=DNS_LABEL,
+                max_length=253),
+        }),
+        "prefill": _role("prefill", 1, {
+            "shmSize": size("Memory-backed /dev/shm of each prefill pod (transfer buffers).",
+                            default="1Gi"),
+        }),
+        "decode": _role("decode", 1, {
+            "localSegmentSize": size(
+                "DRAM each decode pod serves to the KV store so prefill writes KV next to it.",
+                default="2Gi"),
+            "shmSize": size("Memory-backed /dev/shm of each decode pod; must hold "
+                            "localSegmentSize plus transfer buffers (default: localSegmentSize "
+                            "+ 1Gi)."),
+        }),
+        "store": _role("store", 1),
+        "master": _role("master", 1),
+    }, default={})
+
+
+def _rdma() -> Schema:
+    return obj(
+        "RDMA for KV transfers between prefill, decode and store pods.",
+        {
+            "enabled": boolean("Request RDMA devices for prefill, decode and store pods.",
+                               default=False),
+            "required": boolean(
+                "Fail a pod whose init probe finds no usable RDMA device. When false such pods "
+                "run over TCP and status.conditions RDMAReady says so.", default=False),
+            "resourceName": string("Extended resource the RDMA device plugin advertises.",
+                                   default="rdma/rdma_shared_device_a", min_length=1),
+            "count": integer("Devices of resourceName each data pod requests.", default=1,
+                             minimum=1, maximum=64),
+            "nodeLabel": string(
+                "Node label (value `true`) marking RDMA-capable nodes; pods require it when "
+                "rdma.required, and prefer it otherwise.",
+                default="feature.node.kubernetes.io/rdma.available", min_length=1),
+        },
+        default={},
+        rules=(rule("!self.required || self.enabled", "rdma.required needs rdma.enabled",
+                    field_path=".required"),),
+    )
+
+
+def _store() -> Schema:
+    return obj(
+        "The KV cache pool (storage nodes and master).",
+        {
+            "dramPerNode": size("Host DRAM each storage node serves (backed by a Memory "
+                                "emptyDir at /dev/shm, so count it in the node's memory).",
+                                default="4Gi"),
+            "ssd": obj("Optional SSD tier: each storage node gets a PersistentVolumeClaim that "
+                       "DRAM victims spill to. Immutable once set (StatefulSet volume claim "
+                       "templates cannot change).", {
+                "storageClassName": string("StorageClass of the claims (cluster default when "
+                                           "empty)."),
+                "size": size("Size of each node's claim; the node uses 95% of it."),
+            }, required=("size",),
+                rules=(rule("self == oldSelf", "store.ssd is immutable; create a new cluster "
+                            "to change the SSD tier"),)),
+            "replicationFactor": integer("Copies of each KV block the pool keeps on distinct "
+                                         "nodes (1 = no redundancy).", default=1, minimum=1,
+                                         maximum=8),
+            "highWatermark": number("Start evicting a segment above this used fraction.",
+                                    default=0.95, minimum=0.05, maximum=1.0),
+            "lowWatermark": number("Evict down to this used fraction.", default=0.85,
+                                   minimum=0.0, maximum=1.0),
+            "blockTokens": integer("Tokens per KV block (part of every block key; changing it "
+                                   "invalidates the cache).", default=64, minimum=1,
+                                   maximum=4096),
+        },
+        default={},
+        rules=(
+            rule("self.lowWatermark < self.highWatermark",
+                 "store.lowWatermark must be below store.highWatermark",
+                 field_path=".lowWatermark"),
+            rule("!has(oldSelf.ssd) || has(self.ssd)",
+                 "store.ssd cannot be removed once set; create a new cluster"),
+        ),
+    )
+
+
+def _bounds(name: str, lo: int, hi: int) -> Schema:
+    return obj(f"Replica bounds of {name} under the SLO autoscaler.", {
+        "minReplicas": integer(f"Fewest {name} pods.", default=lo, minimum=1),
+        "maxReplicas": integer(f"Most {name} pods.", default=hi, minimum=1, maximum=1000),
+    }, default={}, rules=(rule("self.minReplicas <= self.maxReplicas",
+                               f"autoscaling.{name}.minReplicas must not exceed maxReplicas",
+                               field_path=".minReplicas"),))
+
+
+def _autoscaling() -> Schema:
+    return obj(
+        "The built-in SLO autoscaler for prefill and decode. It reads the Conductor's metrics "
+        "(queued tokens per role, predicted TTFT headroom, rejections) and writes the role's "
+        "MooncakeRoleScaler; do not point an HPA at a role it manages.",
+        {
+            "enabled": boolean("Run the SLO autoscaler.", default=False),
+            "prefill": _bounds("prefill", 1, 8),
+            "decode": _bounds("decode", 1, 8),
+            "ratio": obj("Bounds of prefill:decode replicas (prefill divided by decode).", {
+                "min": number("Lowest prefill/decode ratio.", default=0.25, minimum=0.01),
+                "max": number("Highest prefill/decode ratio.", default=4.0, minimum=0.01),
+            }, default={}, rules=(rule("self.min <= self.max",
+                                       "autoscaling.ratio.min must not exceed ratio.max",
+                                       field_path=".min"),)),
+            "targetQueueTokensPerPrefill": integer(
+                "Queued prompt tokens per prefill pod the autoscaler aims for.", default=8192,
+                minimum=1),
+            "targetQueueTokensPerDecode": integer(
+                "Queued tokens per decode pod (running batch plus waiting) it aims for.",
+                default=16384, minimum=1),
+            "maxRejectionRate": number(
+                "Fraction of requests rejected (429) above which both roles scale up.",
+                default=0.01, minimum=0.0, maximum=1.0),
+            "scaleUpStabilizationSeconds": integer(
+                "A scale-up must be recommended for this long (the smallest recommendation in "
+                "the window wins).", default=30, minimum=0, maximum=3600),
+            "scaleDownStabilizationSeconds": integer(
+                "A scale-down must be recommended for this long (the largest recommendation in "
+                "the window wins).", default=300, minimum=0, maximum=7200),
+            "intervalSeconds": integer("How often metrics are read and a decision is made.",
+                                       default=15, minimum=5, maximum=600),
+        },
+        default={},
+        rules=(
+            rule("double(self.prefill.maxReplicas) >= self.ratio.min * "
+                 "double(self.decode.minReplicas)",
+                 "autoscaling: prefill.maxReplicas is below ratio.min x decode.minReplicas, so "
+                 "no replica count satisfies the ratio bounds"),
+            rule("double(self.prefill.minReplicas) <= self.ratio.max * "
+                 "double(self.decode.maxReplicas)",
+                 "autoscaling: prefill.minReplicas is above ratio.max x decode.maxReplicas, so "
+                 "no replica count satisfies the ratio bounds"),
+        ),
+    )
+
+
+def _metadata_backend() -> Schema:
+    return obj(
+        "Where the store master keeps HA state. `embedded` keeps it in the master process (a "
+        "restarted master rebuilds from the storage nodes); `redis` adds leader election so "
+        "several masters can run.",
+        {
+            "type": string("Backend kind.", default="embedded", enum=("embedded", "redis")),
+            "redisUrlSecret": secret_key_ref("Secret holding the Redis URL "
+                                             "(redis://[:password@]host:port/db).", "url"),
+        },
+        default={},
+        rules=(rule("self.type != 'redis' || has(self.redisUrlSecret)",
+                    "metadataBackend.type redis needs metadataBackend.redisUrlSecret",
+                    field_path=".redisUrlSecret"),),
+    )
+
+
+def cluster_spec_schema() -> Schema:
+    return obj(
+        "Desired state of one disaggregated serving cluster: a Conductor (OpenAI API and "
+        "global scheduler), prefill and decode pools, and a KV cache pool (store nodes and "
+        "master).",
+        {
+            "image": string("Image carrying the `mooncake` CLI used by every role unless "
+                            "overridden.", default=DEFAULT_IMAGE, min_length=1),
+            "imagePullPolicy": string("Pull policy of every container.", default="IfNotPresent",
+                                      enum=("Always", "IfNotPresent", "Never")),
+            "imagePullSecrets": array("Secrets for pulling images.",
+                                      string("Secret name.", pattern=DNS_LABEL), max_items=16),
+            "serviceAccountName": string("ServiceAccount the pods run as (the namespace "
+                                         "default when empty; pods need no API access)."),
+            "clusterDomain": string("DNS domain of the Kubernetes cluster.",
+                                    default="cluster.local", min_length=1),
+            "model": _model(),
+            "engine": _engine(),
+            "roles": _roles(),
+            "rdma": _rdma(),
+            "transferProtocol": string(
+                "How KV bytes move between pods: `auto` uses RDMA where the probe found a "
+                "device and TCP elsewhere; `rdma` and `tcp` force one.", default="auto",
+                enum=("auto", "rdma", "tcp")),
+            "store": _store(),
+            "slo": obj("Latency objectives the Conductor admits requests against (it rejects "
+                       "with 429 what it predicts would miss them).", {
+                "ttftMs": integer("Time-to-first-token objective in milliseconds.",
+                                  default=2000, minimum=1),
+                "tbtMs": integer("Time-between-tokens objective in milliseconds.",
+                                 default=100, minimum=1),
+            }, default={}),
+            "autoscaling": _autoscaling(),
+            "metadataBackend": _metadata_backend(),
+            "clusterTokenSecret": secret_key_ref(
+                "Secret holding the shared cluster token internal endpoints require. When "
+                "unset the operator creates `<name>-cluster-token` once with a random token.",
+                "token"),
+            "logLevel": string("Log level of every component.", default="info",
+                               enum=("debug", "info", "warning", "error")),
+            "logFormat": string("Log format of every component.", default="json",
+                                enum=("json", "text")),
+        },
+        default={},
+        rules=(
+            rule("self.transferProtocol != 'rdma' || self.rdma.enabled",
+                 "transferProtocol rdma needs rdma.enabled", field_path=".transferProtocol"),
+            rule("!self.rdma.enabled || self.transferProtocol != 'tcp'",
+                 "rdma.enabled contradicts transferProtocol tcp; use auto or rdma",
+                 field_path=".rdma.enabled"),
+            rule("self.engine.kind != 'sglang' || has(self.model.huggingFace) || "
+                 "has(self.model.pvc) || has(self.model.hostPath) || has(self.model.image)",
+                 "engine.kind sglang needs a model source (huggingFace, pvc, hostPath or "
+                 "image); the built-in model only runs on the embedded engine",
+                 field_path=".model"),
+            rule("self.roles.master.replicas == 1 || self.metadataBackend.type == 'redis'",
+                 "more than one master needs metadataBackend.type redis (leader election)",
+                 field_path=".roles.master.replicas"),
+            rule("!self.autoscaling.enabled || (self.roles.prefill.replicas >= "
+                 "self.autoscaling.prefill.minReplicas && self.roles.prefill.replicas <= "
+                 "self.autoscaling.prefill.maxReplicas)",
+                 "roles.prefill.replicas must lie within autoscaling.prefill bounds",
+                 field_path=".roles.prefill.replicas"),
+            rule("!self.autoscaling.enabled || (self.roles.decode.replicas >= "
+                 "self.autoscaling.decode.minReplicas && self.roles.decode.replicas <= "
+                 "self.autoscaling.decode.maxReplicas)",
+                 "roles.decode.replicas must lie within autoscaling.decode bounds",
+                 field_path=".roles.decode.replicas"),
+        ),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# status
+
+
+def _condition() -> Schema:
+    return obj("A condition of the cluster.", {
+        "type": string("Ready, Progressing, Degraded, KVStoreReady or RDMAReady."),
+        "status": string("True, False or Unknown.", enum=("True", "False", "Unknown")),
+        "reason": string("CamelCase reason for the last transition."),
+        "message": string("Human-readable detail."),
+        "lastTransitionTime": string("When status last changed (RFC 3339)."),
+        "observedGeneration": integer("metadata.generation this condition was computed for."),
+    }, required=("type", "status"))
+
+
+def _role_status() -> Schema:
+    return obj("Observed state of one role.", {
+        "replicas": integer("Pods desired now (after autoscaling)."),
+        "readyReplicas": integer("Pods ready."),
+        "updatedReplicas": integer("Pods running the current revision."),
+        "revision": string("Hash of the role's current pod template (label "
+                           "`mooncake.io/revision`)."),
+    })
+
+
+def cluster_status_schema() -> Schema:
+    s = obj("Observed state, written by the operator.", {
+        "observedGeneration": integer("metadata.generation the operator last applied."),
+        "conditions": array("Ready, Progressing, Degraded, KVStoreReady and RDMAReady.",
+                            _condition(), max_items=16),
+        "roles": obj("Per-role replicas.", {r: _role_status() for r in ROLES}),
+        "servingRevision": string("Revision prefill and decode pair on (label "
+                                  "`mooncake.io/serving-revision`, env MOONCAKE_REVISION)."),
+        "store": obj("KV cache pool usage, read from the master's metrics.", {
+            "capacityBytes": integer("Total bytes of all segments (DRAM and SSD)."),
+            "usedBytes": integer("Bytes allocated to KV blocks."),
+            "hitRate": number("Fraction of block lookups that hit since the master started."),
+        }),
+        "rdma": obj("What the rdma-probe init containers found.", {
+            "podsWithDevices": integer("Data pods whose probe found an active device."),
+            "podsWithoutDevices": integer("Data pods whose probe found none (TCP)."),
+            "devices": array("Distinct device names seen.", string("Device name."),
+                             max_items=64),
+        }),
+        "autoscaling": obj("The SLO autoscaler's last decision.", {
+            "prefill": integer("Prefill replicas it chose."),
+            "decode": integer("Decode replicas it chose."),
+            "reason": string("Why."),
+            "time": string("When (RFC 3339)."),
+        }),
+        "endpoint": string("In-cluster URL of the OpenAI-compatible API."),
+    })
+    conditions = s["properties"]["conditions"]
+    conditions["x-kubernetes-list-type"] = "map"
+    conditions["x-kubernetes-list-map-keys"] = ["type"]
+    return s
+
+
+def cluster_schema() -> Schema:
+    """The whole object schema (what goes under `openAPIV3Schema`)."""
+    return obj("MooncakeCluster deploys KV-cache-centric disaggregated LLM serving.", {
+        "apiVersion": string("API version of this object."),
+        "kind": string("Kind of this object."),
+        "metadata": {"type": "object"},
+        "spec": cluster_spec_schema(),
+        "status": cluster_status_schema(),
+    }, required=("spec",), rules=(rule(
+        "self.metadata.name.size() <= 40",
+        "metadata.name: at most 40 characters (child names and labels append suffixes)"),))
+
+
+def scaler_schema() -> Schema:
+    return obj(
+        "MooncakeRoleScaler exposes one role of a MooncakeCluster through the scale "
+        "subresource, so HPA, KEDA, `kubectl scale` or the built-in autoscaler can resize it "
+        "while the operator stays the only writer of the role's StatefulSet or Deployment.",
+        {
+            "apiVersion": string("API version of this object."),
+            "kind": string("Kind of this object."),
+            "metadata": {"type": "object"},
+            "spec": obj("Desired replicas of the role.", {
+                "clusterName": string("The MooncakeCluster this scaler belongs to.",
+                                      pattern=DNS_LABEL, max_length=63),
+                "role": string("The role it scales.", enum=ROLES),
+                "replicas": integer("Desired pods of the role.", minimum=0, maximum=1000),
+            }, required=("clusterName", "role"), rules=(
+                rule("self.clusterName == oldSelf.clusterName",
+                     "spec.clusterName is immutable", field_path=".clusterName"),
+                rule("self.role == oldSelf.role", "spec.role is immutable",
+                     field_path=".role"),
+            )),
+            "status": obj("Observed pods of the role.", {
+                "replicas": integer("Pods that exist."),
+                "readyReplicas": integer("Pods ready."),
+                "selector": string("Label selector of the role's pods (for HPA pod metrics)."),
+            }),
+        },
+        required=("spec",),
+    )

@@ -1,0 +1,170 @@
+"""Offline admission for MooncakeCluster: defaulting, OpenAPI validation and CEL rules.
+
+The API server defaults, validates and evaluates `x-kubernetes-validations` before the operator
+ever sees an object. `mooncake render -f` has no API server, so it runs the same three steps here
+from the same schema; that is also how the unit tests prove each CEL rule rejects what it should.
+Unknown fields are reported (as kubectl's strict field validation does) instead of silently
+pruned, so typos surface.
+
+Called by `cli.render` and the tests; the operator itself trusts the API server.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import celpy
+import jsonschema
+from celpy import celtypes
+from celpy.adapter import json_to_cel
+
+from mooncake_k8s.operator import schema as sch
+
+Schema = dict[str, Any]
+
+
+class InvalidResource(ValueError):
+    """The resource would be rejected by the API server; `errors` lists every reason."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("; ".join(errors))
+        self.errors = errors
+
+
+def apply_defaults(s: Schema, value: Any) -> Any:
+    """Fill missing fields from `default`, top-down, the way the API server does."""
+    if isinstance(value, dict):
+        props: dict[str, Schema] = s.get("properties", {})
+        out = dict(value)
+        for key, sub in props.items():
+            if key not in out and "default" in sub:
+                out[key] = copy.deepcopy(sub["default"])
+            if key in out:
+                out[key] = apply_defaults(sub, out[key])
+        extra = s.get("additionalProperties")
+        if isinstance(extra, dict):
+            for key in out:
+                if key not in props:
+                    out[key] = apply_defaults(extra, out[key])
+        return out
+    if isinstance(value, list) and isinstance(s.get("items"), dict):
+        return [apply_defaults(s["items"], v) for v in value]
+    return value
+
+
+def _path(parts: Iterator[Any] | list[Any]) -> str:
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "<root>"
+
+
+def _structural_errors(s: Schema, value: Any) -> list[str]:
+    errors = []
+    for e in sorted(jsonschema.Draft202012Validator(s).iter_errors(value),
+                    key=lambda e: list(map(str, e.absolute_path))):
+        where = _path(list(e.absolute_path))
+        if e.validator == "anyOf" and e.schema.get("x-kubernetes-int-or-string"):
+            msg = f"{e.instance!r} is not a size; use a byte count or a quantity such as 4Gi"
+        elif e.validator == "pattern":
+            msg = f"{e.instance!r} does not match {e.validator_value}"
+        else:
+            msg = e.message
+        errors.append(f"{where}: {msg}")
+    return errors
+
+
+def _unknown_fields(s: Schema, value: Any, path: list[Any]) -> Iterator[str]:
+    if s.get("x-kubernetes-preserve-unknown-fields"):
+        return
+    if isinstance(value, dict) and "properties" in s:
+        props = s["properties"]
+        for key, v in value.items():
+            if key not in props:
+                yield f"{_path([*path, key])}: unknown field (known: {', '.join(props)})"
+            else:
+                yield from _unknown_fields(props[key], v, [*path, key])
+    elif isinstance(value, list) and isinstance(s.get("items"), dict):
+        for i, v in enumerate(value):
+            yield from _unknown_fields(s["items"], v, [*path, i])
+
+
+def to_cel(s: Schema, value: Any) -> Any:
+    """Type a JSON value as CEL sees it under the schema (`number` is always a double)."""
+    if value is None:
+        return None
+    if s.get("x-kubernetes-int-or-string"):
+        return celtypes.IntType(value) if isinstance(value, int) else celtypes.StringType(value)
+    t = s.get("type")
+    if t == "object" and isinstance(value, dict):
+        props: dict[str, Schema] = s.get("properties", {})
+        extra = s.get("additionalProperties")
+        out = {}
+        for k, v in value.items():
+            sub = props.get(k) or (extra if isinstance(extra, dict) else None)
+            out[celtypes.StringType(k)] = to_cel(sub, v) if sub else json_to_cel(v)
+        return celtypes.MapType(out)
+    if t == "array" and isinstance(value, list):
+        return celtypes.ListType([to_cel(s.get("items", {}), v) for v in value])
+    if t == "number":
+        return celtypes.DoubleType(float(value))
+    if t == "integer":
+        return celtypes.IntType(value)
+    return json_to_cel(value)
+
+
+@functools.lru_cache(maxsize=256)
+def _program(expr: str) -> Any:
+    env = celpy.Environment()
+    return env.program(env.compile(expr))
+
+
+def _cel_errors(s: Schema, value: Any, old: Any, path: list[Any]) -> Iterator[str]:
+    for r in s.get("x-kubernetes-validations", ()):
+        transition = re.search(r"\boldSelf\b", r["rule"]) is not None
+        if transition and old is None:
+            continue  # transition rules only run on updates where the old value exists
+        act = {"self": to_cel(s, value)}
+        if transition:
+            act["oldSelf"] = to_cel(s, old)
+        result = _program(r["rule"]).evaluate(act)
+        if isinstance(result, Exception) or not bool(result):
+            where = _path([*path, *[p for p in r.get("fieldPath", "").split(".") if p]])
+            detail = f" (rule error: {result})" if isinstance(result, Exception) else ""
+            yield f"{where}: {r['message']}{detail}"
+    if isinstance(value, dict):
+        props: dict[str, Schema] = s.get("properties", {})
+        for key, sub in props.items():
+            if key in value:
+                o = old.get(key) if isinstance(old, dict) else None
+                yield from _cel_errors(sub, value[key], o, [*path, key])
+
+
+def validate(s: Schema, obj: dict[str, Any], old: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Default `obj` and return it, or raise `InvalidResource` listing every violation."""
+    defaulted: dict[str, Any] = apply_defaults(s, obj)
+    errors = list(_unknown_fields(s, defaulted, []))
+    errors += _structural_errors(s, defaulted)
+    if not errors:
+        old_d = apply_defaults(s, old) if old is not None else None
+        errors += list(_cel_errors(s, defaulted, old_d, []))
+    if errors:
+        raise InvalidResource(errors)
+    return defaulted
+
+
+def validate_cluster(obj: dict[str, Any], old: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Admit a MooncakeCluster as the API server would (defaults applied to the result)."""
+    api = f"{sch.GROUP}/{sch.VERSION}"
+    if obj.get("apiVersion") != api or obj.get("kind") != "MooncakeCluster":
+        raise InvalidResource([
+            f"<root>: expected apiVersion {sch.GROUP}/{sch.VERSION} and kind MooncakeCluster, "
+            f"got {obj.get('apiVersion')!r} {obj.get('kind')!r}"])
+    name = (obj.get("metadata") or {}).get("name")
+    if not isinstance(name, str) or not re.match(sch.DNS_LABEL, name):
+        raise InvalidResource([f"metadata.name: {name!r} is not a DNS label"])
+    return validate(sch.cluster_schema(), obj, old)
