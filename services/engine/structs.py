@@ -107,6 +107,8 @@ class SamplingParams:
     """Strings that end generation; the matched string is not part of the output."""
     seed: int | None = None
     """Same seed, same prompt, same model: same tokens, even across processes. None = random."""
+    ignore_eos: bool = False
+    """Keep generating past EOS until max_tokens (benchmarks want fixed output lengths)."""
 
     def __post_init__(self) -> None:
         t, p = self.temperature, self.top_p
@@ -126,6 +128,8 @@ class SamplingParams:
                 raise InvalidArgument(f"stop strings must be non-empty strings, got {s!r}")
             if len(s) > MAX_STOP_CHARS:
                 raise InvalidArgument(f"stop strings must be at most {MAX_STOP_CHARS} characters")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidArgument(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
         sd = self.seed
         if sd is not None and (isinstance(sd, bool) or not isinstance(sd, int)):
             raise InvalidArgument(f"seed must be an integer or None, got {sd!r}")

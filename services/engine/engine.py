@@ -1,0 +1,395 @@
+"""The embedded engine: prefill from imported KV blocks, block export, batched decode.
+
+Prefill (one request at a time) and decode (many sequences, continuous batching) are one class
+because a process may do both, but they share no state: prefill works in a scratch KV buffer
+and hands its KV out as encoded blocks; decode sequences own KV tensors sized at admission
+(prompt + max_tokens - 1 tokens), so a running sequence never runs out of memory and never needs
+preempting, and `EngineFull` tells the caller at admission when there is no room.
+
+Greedy identity (import vs compute): prefill computes in chunks whose boundaries are absolute
+multiples of `prefill_chunk_tokens` (= `block_tokens` by default), so a full block's KV is
+computed by the same kernel calls, on the same inputs, whichever prompt computed it. The first
+token's logits of a prompt that is a block multiple always come from a one-token pass over the
+last position (what a full hit must do anyway), and otherwise from the last chunk, which a hit
+and a cold run compute alike. Decode continues from the same KV bits either way.
+
+Used from one thread per process (the services serialise calls); not thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..common import blocks as kvfmt
+from ..common.errors import IntegrityError, InvalidArgument
+from . import loading
+from .detokenizing import TextStream
+from .kvblocks import BlockCodec
+from .sampling import random_seed, sample_batch, sample_one
+from .structs import EngineConfig, EngineFull, PrefillResult, SamplingParams, StepOutput
+from .transformer import Transformer
+
+log = logging.getLogger(__name__)
+
+CPU_KV_BUDGET = 2 << 30
+GPU_KV_FRACTION = 0.4
+ROLES = frozenset({"system", "user", "assistant", "tool"})
+
+
+@dataclass
+class _Sequence:
+    """A running decode sequence."""
+
+    seq_id: str
+    kv: torch.Tensor
+    reserved: int
+    length: int
+    """Tokens whose KV is in `kv`; the next input sits at this position."""
+    next_token: int
+    generated: int
+    max_new: int
+    params: SamplingParams
+    seed: int
+    stream: TextStream
+
+
+class Engine:
+    """See the module docstring; build one with `load_engine`."""
+
+    def __init__(self, config: EngineConfig, loaded: loading.LoadedModel) -> None:
+        self.config = config
+        self.tokenizer: Any | None = loaded.tokenizer
+        self.served_name = loaded.served_name
+        self.fingerprint = loaded.fingerprint
+        self.eos_ids = loaded.eos_ids
+        self.device = loaded.device
+        self.model = Transformer(loaded.model)
+        loaded.model = None  # the fused weights replace the HF modules; free the originals
+        self.dtype_name = loading.dtype_name(self.model.dtype)
+        self.block_tokens = config.block_tokens
+        self.chunk_tokens = config.prefill_chunk_tokens or config.block_tokens
+        self.max_context = self.model.max_context
+        self.vocab_size = self.model.vocab
+        self.layout = kvfmt.BlockLayout(
+            self.fingerprint,
+            self.dtype_name,
+            self.model.num_layers,
+            self.model.num_kv_heads,
+            self.model.head_dim,
+        )
+        threads = config.verify_threads or (
+            min(8, os.cpu_count() or 1) if self.device.type == "cuda" else 1
+        )
+        self.codec = BlockCodec(self.layout, self.block_tokens, threads)
+        self.kv_capacity_tokens = config.kv_capacity_tokens or self._default_capacity()
+        self._running: dict[str, _Sequence] = {}
+        self._kv_used = 0
+        self._scratch: torch.Tensor | None = None
+
+    def _default_capacity(self) -> int:
+        budget = self.config.kv_budget_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * GPU_KV_FRACTION)
+            else:
+                budget = CPU_KV_BUDGET
+        return max(1, budget // self.model.kv_bytes_per_token())
+
+    # -- names and text -----------------------------------------------------------------
+
+    def namespace(self, tenant: str = "") -> kvfmt.KeyNamespace:
+        """The block-key namespace; `tenant` salts it so tenants never share blocks."""
+        return kvfmt.KeyNamespace(
+            self.fingerprint.hex(), self.dtype_name, self.block_tokens, tenant_salt=tenant
+        )
+
+    def block_keys(self, token_ids: Sequence[int], tenant: str = "") -> list[str]:
+        """Keys of the full blocks of `token_ids` (DESIGN §3)."""
+        return kvfmt.block_keys(self.namespace(tenant), token_ids)
+
+    def _need_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise InvalidArgument(f"model {self.served_name!r} has no tokenizer")
+        return self.tokenizer
+
+    def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
+        """The chat template applied to `messages`, ending with the assistant's turn prompt."""
+        tok = self._need_tokenizer()
+        if not isinstance(messages, list) or not messages:
+            raise InvalidArgument("messages must be a non-empty list")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict):
+                raise InvalidArgument(f"messages[{i}] must be an object with role and content")
+            role, content = m.get("role"), m.get("content")
+            if role not in ROLES:
+                raise InvalidArgument(
+                    f"messages[{i}].role must be one of {sorted(ROLES)}, got {role!r}"
+                )
+            if not isinstance(content, str):
+                raise InvalidArgument(f"messages[{i}].content must be a string")
+        if not getattr(tok, "chat_template", None):
+            raise InvalidArgument(f"model {self.served_name!r} has no chat template")
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return [int(t) for t in tok.encode(text, add_special_tokens=False)]
+
+    def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise InvalidArgument("prompt must be a string")
+        return [int(t) for t in self._need_tokenizer().encode(text)]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    # -- shared checks ------------------------------------------------------------------
+
+    def _check_tokens(self, token_ids: Sequence[int], what: str = "prompt") -> torch.Tensor:
+        try:
+            ids = torch.as_tensor(list(token_ids), dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+            raise InvalidArgument(f"{what} token ids must be integers") from e
+        n = ids.numel()
+        if ids.ndim != 1 or n == 0:
+            raise InvalidArgument(f"{what} is empty")
+        if n > self.max_context:
+            raise InvalidArgument(
+                f"{what} has {n} tokens; the model's context is {self.max_context} tokens"
+            )
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise InvalidArgument(
+                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        return ids
+
+    def _max_new(self, n: int, params: SamplingParams) -> int:
+        """max_tokens, cut where the context ends (the last token needs no KV)."""
+        return min(params.max_tokens, self.max_context - n + 1)
+
+    def _finish(
+        self, token: int, stream: TextStream, generated: int, max_new: int, params: SamplingParams
+    ) -> tuple[str, str | None]:
+        """Text for `token` and why the sequence ends after it (None: it goes on)."""
+        if token in self.eos_ids and not params.ignore_eos:
+            return stream.flush(), "stop"
+        text = stream.add(token)
+        if stream.stopped:
+            return text, "stop"
+        if generated >= max_new:
+            return text + stream.flush(), "length"
+        return text, None
+
+    # -- prefill ------------------------------------------------------------------------
+
+    def _scratch_kv(self, n: int) -> torch.Tensor:
+        """The prefill KV buffer, reused across calls: no page faults on the hot path."""
+        if self._scratch is None or self._scratch.shape[3] < n:
+            cap = min(self.max_context, -(-n // 1024) * 1024)
+            self._scratch = None
+            self._scratch = self.model.new_kv(max(cap, n))
+        return self._scratch
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        token_ids: Sequence[int],
+        imported: Sequence[Any],
+        sampling: SamplingParams,
+        seq_id: str = "",
+        *,
+        export: bool = True,
+    ) -> PrefillResult:
+        """Import the leading full blocks' KV, compute the rest, sample the first token.
+
+        `imported`: encoded blocks for full blocks 0, 1, ... in order (bytes, memoryview,
+        numpy or uint8 torch tensors; pinned tensors reach a GPU by DMA). A block that fails
+        verification ends the import there: it and the blocks after it are recomputed and
+        counted in `rejected_blocks`. `export=False` skips encoding new blocks (no store).
+        """
+        ids = self._check_tokens(token_ids)
+        n, bt = ids.numel(), self.block_tokens
+        full = n // bt
+        if len(imported) > full:
+            raise InvalidArgument(
+                f"{len(imported)} imported blocks for a prompt of {n} tokens, "
+                f"which has {full} full blocks of {bt}"
+            )
+        kv = self._scratch_kv(n)
+        used = self._import(kv, imported, seq_id)
+        # Chunks must start at absolute multiples of the chunk size (determinism, see module
+        # doc): a partial chunk's worth of imported blocks is recomputed instead.
+        per_chunk = self.chunk_tokens // bt
+        used -= used % per_chunk if used * bt < n else 0
+        start = used * bt
+        host_ids = ids
+        ids = ids.to(self.device)
+        hidden: torch.Tensor | None = None
+        for s in range(start, n, self.chunk_tokens):
+            hidden = self.model.prefill_chunk(ids[s : min(n, s + self.chunk_tokens)], s, kv)
+        if n % bt == 0:  # logits from a one-token pass, exactly as a full hit computes them
+            keep = kv[:, :, :, n - 1].clone()
+            logits = self.model.forward_single(int(host_ids[-1]), n - 1, kv)
+            kv[:, :, :, n - 1].copy_(keep)
+        else:
+            assert hidden is not None
+            logits = self.model.logits(hidden)
+        cached = min(start, n - 1)
+        params = sampling
+        seed = params.seed if params.seed is not None else random_seed()
+        token = sample_one(logits[0], params, seed, n)
+        stream = TextStream(self.tokenizer, host_ids.tolist(), params.stop)
+        text, reason = self._finish(token, stream, 1, self._max_new(n, params), params)
+        result = PrefillResult(
+            first_token=token,
+            text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            cached_tokens=cached,
+            computed_tokens=n - cached,
+            rejected_blocks=len(imported) - used,
+        )
+        if export:
+            result.new_blocks = [
+                (i, self.codec.export(kv, i * bt, (i + 1) * bt)) for i in range(used, full)
+            ]
+            if n % bt:
+                result.tail_block = self.codec.export(kv, full * bt, n)
+        return result
+
+    def _import(self, kv: torch.Tensor, blocks: Sequence[Any], seq_id: str) -> int:
+        """Copy verified blocks into kv; returns how many leading blocks were usable."""
+        bt = self.block_tokens
+        for i, payload in enumerate(self.codec.verified(blocks, [bt] * len(blocks))):
+            if isinstance(payload, IntegrityError):
+                log.warning(
+                    "imported block failed verification; recomputing from it",
+                    extra={"seq_id": seq_id, "block": i, "reason": str(payload)},
+                )
+                return i
+            self.codec.copy_in(kv, i * bt, payload)
+        return len(blocks)
+
+    # -- decode -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def add_sequence(
+        self,
+        seq_id: str,
+        token_ids: Sequence[int],
+        blocks: Sequence[Any],
+        first_token: int,
+        sampling: SamplingParams,
+    ) -> None:
+        """Admit a prefilled sequence into the running batch; it joins the next `step()`.
+
+        `blocks`: every full block of the prompt, then the partial tail block if the prompt is
+        not a block multiple. `first_token` was emitted by prefill and counts toward
+        max_tokens. Raises EngineFull when max_batch sequences run or the KV budget cannot
+        hold prompt + max_tokens - 1 tokens, IntegrityError when a block fails verification.
+        """
+        if not isinstance(seq_id, str) or not seq_id:
+            raise InvalidArgument("seq_id must be a non-empty string")
+        if seq_id in self._running:
+            raise InvalidArgument(f"sequence {seq_id!r} is already running")
+        ids = self._check_tokens(token_ids)
+        if isinstance(first_token, bool) or not isinstance(first_token, int) or not (
+            0 <= first_token < self.vocab_size
+        ):
+            raise InvalidArgument(f"first_token {first_token!r} is not a token id")
+        n, bt = ids.numel(), self.block_tokens
+        sizes = [bt] * (n // bt) + ([n % bt] if n % bt else [])
+        if len(blocks) != len(sizes):
+            raise InvalidArgument(
+                f"a prompt of {n} tokens needs {len(sizes)} blocks "
+                f"({n // bt} full + {1 if n % bt else 0} tail), got {len(blocks)}"
+            )
+        params = sampling
+        max_new = self._max_new(n, params)
+        stream = TextStream(self.tokenizer, ids.tolist(), params.stop)
+        _, reason = self._finish(first_token, stream, 1, max_new, params)
+        if reason is not None:
+            raise InvalidArgument(
+                f"sequence {seq_id!r} already finished at its first token ({reason})"
+            )
+        reserve = n + max_new - 1
+        if reserve > self.kv_capacity_tokens:
+            raise InvalidArgument(
+                f"sequence needs {reserve} KV tokens (prompt + max_tokens - 1), more than this "
+                f"engine's whole capacity of {self.kv_capacity_tokens}"
+            )
+        if len(self._running) >= self.config.max_batch:
+            raise EngineFull(f"{len(self._running)} sequences running (max_batch)")
+        free = self.kv_capacity_tokens - self._kv_used
+        if reserve > free:
+            raise EngineFull(f"sequence needs {reserve} KV tokens, {free} free")
+        kv = self.model.new_kv(reserve)
+        for i, payload in enumerate(self.codec.verified(blocks, sizes)):
+            if isinstance(payload, IntegrityError):
+                raise IntegrityError(f"block {i} of sequence {seq_id!r}: {payload}")
+            self.codec.copy_in(kv, i * bt, payload)
+        seed = params.seed if params.seed is not None else random_seed()
+        self._running[seq_id] = _Sequence(
+            seq_id, kv, reserve, n, first_token, 1, max_new, params, seed, stream
+        )
+        self._kv_used += reserve
+
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        """Advance every running sequence by one token in one forward pass."""
+        seqs = list(self._running.values())
+        if not seqs:
+            return []
+        ids = torch.tensor([s.next_token for s in seqs], device=self.device)
+        logits = self.model.decode(ids, [s.length for s in seqs], [s.kv for s in seqs])
+        for s in seqs:
+            s.length += 1
+        tokens = sample_batch(
+            logits, [s.params for s in seqs], [s.seed for s in seqs], [s.length for s in seqs]
+        )
+        out: list[StepOutput] = []
+        for s, tok in zip(seqs, tokens, strict=True):
+            s.generated += 1
+            s.next_token = tok
+            text, reason = self._finish(tok, s.stream, s.generated, s.max_new, s.params)
+            out.append(StepOutput(s.seq_id, tok, text, reason is not None, reason))
+            if reason is not None:
+                self._release(s.seq_id)
+        return out
+
+    def _release(self, seq_id: str) -> None:
+        seq = self._running.pop(seq_id, None)
+        if seq is not None:
+            self._kv_used -= seq.reserved
+
+    def abort(self, seq_id: str) -> None:
+        """Drop a sequence and free its KV; unknown or finished ids are ignored (idempotent)."""
+        self._release(seq_id)
+
+    def has_sequence(self, seq_id: str) -> bool:
+        return seq_id in self._running
+
+    def load(self) -> dict[str, int]:
+        """What the scheduler needs to place the next request here."""
+        return {
+            "running": len(self._running),
+            "max_batch": self.config.max_batch,
+            "kv_used_tokens": self._kv_used,
+            "kv_free_tokens": self.kv_capacity_tokens - self._kv_used,
+            "kv_capacity_tokens": self.kv_capacity_tokens,
+        }
+
+
+def load_engine(config: EngineConfig | None = None, progress: bool = True) -> Engine:
+    """Load the model (converting and caching the built-in one on first use) and build an
+    engine around it."""
+    config = config or EngineConfig()
+    return Engine(config, loading.load_model(config, progress))
