@@ -172,8 +172,9 @@ def store_demo(size: int) -> None:
 
 def _register_serving() -> None:
     from mooncake_k8s.cli_serving import COMMANDS
+    from mooncake_k8s.cli_sched import COMMANDS as SCHED_COMMANDS
 
-    for command in COMMANDS:
+    for command in [*COMMANDS, *SCHED_COMMANDS]:
         main.add_command(command)
 
 

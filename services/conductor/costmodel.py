@@ -1,0 +1,257 @@
+"""How long things take: prefill, KV transfer, decode steps. The scheduler's only clock.
+
+Every estimate the scheduler makes (TTFT of a candidate, TBT of a decode batch, when the queue
+drains) is a call into `CostModel`, and every coefficient in it comes from data: a profile
+written by `mooncake calibrate` from measurements of a running deployment, or one of the
+documented profiles shipped in `profiles/` (each says where its numbers come from). Code holds
+the *shape* of the model only:
+
+- prefill: ``base + per_token * new + attn * new * (cached + new / 2)``. The last term is the
+  attention work of the new tokens over the whole prefix (the paper's ``a n^2 d`` split into
+  what a cached prefix saves), so a long cached prefix still costs something to attend over.
+- transfer: ``latency + bytes / bandwidth`` per path (``local`` DRAM, ``pool`` over the
+  network, ``ssd``, ``decode`` for the prefill-to-decode handoff).
+- decode step: ``base + per_seq * batch + per_ctx_token * context_tokens`` (weights are read
+  once per step; every sequence adds compute; every cached token is read once per step).
+
+The fits are ordinary least squares with coefficients clamped at zero (a negative time per
+token is noise, never physics).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PATHS = ("local", "pool", "ssd", "decode")
+DEFAULT_PROFILE = "llama3-70b-a800x8"
+
+
+class CostModelError(ValueError):
+    """A profile file that is missing, malformed or physically impossible."""
+
+
+@dataclass(frozen=True)
+class Prefill:
+    base_ms: float
+    per_token_ms: float
+    attn_ms: float
+    """ms per (new token x attended token): the quadratic attention term."""
+
+    def ms(self, new: int, cached: int = 0) -> float:
+        if new <= 0:
+            return 0.0
+        return self.base_ms + self.per_token_ms * new + self.attn_ms * new * (cached + new / 2)
+
+
+@dataclass(frozen=True)
+class Link:
+    latency_ms: float
+    gbps: float
+    """GB/s (1e9 bytes per second)."""
+
+    def ms(self, nbytes: float) -> float:
+        if nbytes <= 0:
+            return 0.0
+        return self.latency_ms + nbytes / (self.gbps * 1e6)
+
+
+@dataclass(frozen=True)
+class Decode:
+    base_ms: float
+    per_seq_ms: float
+    per_ctx_token_ms: float
+    kv_capacity_tokens: int = 0
+    """KV tokens one decode instance holds (0 = unknown; live reports override it)."""
+
+    def step_ms(self, batch: int, context_tokens: int) -> float:
+        if batch <= 0:
+            return 0.0
+        return self.base_ms + self.per_seq_ms * batch + self.per_ctx_token_ms * context_tokens
+
+
+@dataclass(frozen=True)
+class CostModel:
+    name: str
+    kv_bytes_per_token: int
+    prefill: Prefill
+    transfer: Mapping[str, Link]
+    decode: Decode
+    source: str = ""
+    """Where the numbers come from (calibration run, paper table, ...)."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Free-form provenance: assumptions, fit quality, sample counts."""
+
+    def __post_init__(self) -> None:
+        if self.kv_bytes_per_token <= 0:
+            raise CostModelError("kv_bytes_per_token must be > 0")
+        for k, link in self.transfer.items():
+            if k not in PATHS:
+                raise CostModelError(f"unknown transfer path {k!r}; known: {list(PATHS)}")
+            if not link.gbps > 0 or link.latency_ms < 0:
+                raise CostModelError(f"transfer.{k}: gbps must be > 0 and latency_ms >= 0")
+        for part, obj in (("prefill", self.prefill), ("decode", self.decode)):
+            for k, v in asdict(obj).items():
+                if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
+                    raise CostModelError(f"{part}.{k} must be a finite number >= 0, got {v!r}")
+        if "pool" not in self.transfer:
+            raise CostModelError("transfer.pool is required (the path to the shared KV pool)")
+
+    # -- estimates -------------------------------------------------------------------------
+
+    def link(self, path: str) -> Link:
+        """The named path, falling back to the pool (a profile may not measure every path)."""
+        return self.transfer.get(path) or self.transfer["pool"]
+
+    def transfer_ms(self, path: str, tokens: int) -> float:
+        return self.link(path).ms(tokens * self.kv_bytes_per_token)
+
+    def prefill_ms(self, new: int, cached: int = 0) -> float:
+        return self.prefill.ms(new, cached)
+
+    def step_ms(self, batch: int, context_tokens: int) -> float:
+        return self.decode.step_ms(batch, context_tokens)
+
+    # -- files -----------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "source": self.source,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "prefill": asdict(self.prefill),
+            "transfer": {k: asdict(v) for k, v in self.transfer.items()},
+            "decode": asdict(self.decode),
+            "extra": dict(self.extra),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> CostModel:
+        try:
+            return cls(
+                name=str(d.get("name", "unnamed")), source=str(d.get("source", "")),
+                kv_bytes_per_token=int(d["kv_bytes_per_token"]),
+                prefill=Prefill(**{k: float(v) for k, v in d["prefill"].items()}),
+                transfer={k: Link(float(v["latency_ms"]), float(v["gbps"]))
+                          for k, v in d["transfer"].items()},
+                decode=Decode(**{k: (int(v) if k == "kv_capacity_tokens" else float(v))
+                                 for k, v in d["decode"].items()}),
+                extra=dict(d.get("extra", {})),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, CostModelError):
+                raise
+            raise CostModelError(f"malformed cost model: {type(e).__name__}: {e}") from e
+
+    def save(self, path: str | Path) -> None:
+        p = Path(path)
+        text: str
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        else:
+            text = json.dumps(self.to_dict(), indent=2) + "\n"
+        p.write_text(text)
+
+
+def profiles() -> list[str]:
+    """Names of the profiles shipped with the package."""
+    root = resources.files("mooncake_k8s.conductor") / "profiles"
+    return sorted(e.name.rsplit(".", 1)[0] for e in root.iterdir() if e.name.endswith(".json"))
+
+
+def load(spec: str | Path | None = None) -> CostModel:
+    """A profile by shipped name or by path (.json, .yaml); None = the default profile."""
+    spec = str(spec) if spec else DEFAULT_PROFILE
+    path = Path(spec)
+    if path.suffix in (".json", ".yaml", ".yml") or path.exists():
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise CostModelError(f"cannot read cost model {spec!r}: {e}") from e
+    else:
+        res = resources.files("mooncake_k8s.conductor") / "profiles" / f"{spec}.json"
+        if not res.is_file():
+            raise CostModelError(f"no cost model {spec!r}: not a file, and not a shipped "
+                                 f"profile ({', '.join(profiles())})")
+        text = res.read_text()
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as e:
+        raise CostModelError(f"cost model {spec!r} is not valid JSON/YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise CostModelError(f"cost model {spec!r} must be a mapping")
+    return CostModel.from_dict(data)
+
+
+# -- fitting (used by `mooncake calibrate`) ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fit:
+    coef: tuple[float, ...]
+    r2: float
+    samples: int
+
+
+def nnls_fit(columns: Sequence[Sequence[float]], y: Sequence[float]) -> Fit:
+    """Least squares with every coefficient >= 0: refit without the columns that went
+    negative until none does (an active-set pass; enough for a handful of columns)."""
+    x = np.asarray(columns, dtype=np.float64).T
+    t = np.asarray(y, dtype=np.float64)
+    if x.shape[0] < x.shape[1]:
+        raise CostModelError(f"need at least {x.shape[1]} samples to fit, got {x.shape[0]}")
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active], t, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0
+            coef[active] = sol
+            break
+        active = [c for c, s in zip(active, sol, strict=True) if s >= 0]
+    pred = x @ coef
+    ss_res = float(((t - pred) ** 2).sum())
+    ss_tot = float(((t - t.mean()) ** 2).sum())
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
+    return Fit(tuple(float(c) for c in coef), r2, int(x.shape[0]))
+
+
+def fit_prefill(samples: Sequence[tuple[int, int, float]]) -> tuple[Prefill, float, Fit]:
+    """(new, cached, ms) samples -> the prefill model and the per-cached-token load cost.
+
+    Measured end to end, a request with a cached prefix pays for loading it; that cost is
+    linear in the cached tokens, so it is fitted as its own column and returned apart (the
+    caller turns it into the pool link's bandwidth)."""
+    cols = [
+        [1.0] * len(samples),
+        [float(n) for n, _, _ in samples],
+        [n * (c + n / 2) for n, c, _ in samples],
+        [float(c) for _, c, _ in samples],
+    ]
+    f = nnls_fit(cols, [ms for _, _, ms in samples])
+    base, per_tok, attn, load_per_tok = f.coef
+    return Prefill(base, per_tok, attn), load_per_tok, f
+
+
+def fit_decode(samples: Sequence[tuple[int, int, float]]) -> tuple[Decode, Fit]:
+    """(batch, context tokens, step ms) samples -> the decode step model."""
+    cols = [
+        [1.0] * len(samples),
+        [float(b) for b, _, _ in samples],
+        [float(c) for _, c, _ in samples],
+    ]
+    f = nnls_fit(cols, [ms for _, _, ms in samples])
+    return Decode(*f.coef), f

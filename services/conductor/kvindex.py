@@ -1,0 +1,256 @@
+"""The Conductor's global KV index: which segments hold each block, from the store's events.
+
+The scheduler asks one question per request, for every prefill candidate at once: how long is
+the prompt's prefix that this instance has locally, and how long is the prefix available
+anywhere in the pool? Block keys are chained (a key stands for its whole prefix), so both are
+walks over the prompt's keys.
+
+Representation, chosen for that walk: each segment gets a bit; each key maps to the bitmask of
+segments holding it. An instance is the mask of its local segments, so "does instance i have
+block k" is one AND, and the walk costs one dict lookup per block plus one AND per instance
+still matching. Python ints are arbitrary-width, so any number of segments works.
+
+Events (`STORED`, `EVICTED`, `REMOVED`, `SPILLED`, `PROMOTED`) update the masks; a key whose
+mask reaches zero is dropped, so the scheduler never routes to a cache that has gone cold. When
+the event stream breaks (master restart, the subscriber fell behind and was cut off) the index
+is cleared: the blocks stored meanwhile are unknown, and an empty index costs cache hits, never
+correctness (prefill asks the store itself and recomputes what is missing).
+
+`IndexFeeder` runs the store's `Watch` stream in a thread and hands events to the event loop,
+so the index is only ever touched from one thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mooncake_k8s.common.rpc import store_pb2
+    from mooncake_k8s.store.client import StoreClient
+
+log = logging.getLogger(__name__)
+
+# BlockEvent.Kind and Tier values (store.proto); kept as ints so the simulator and the
+# benchmark can feed the index without protobuf objects.
+STORED, EVICTED, REMOVED, SPILLED, PROMOTED = 1, 2, 3, 4, 5
+DRAM, SSD = 1, 2
+
+
+@dataclass(slots=True)
+class Match:
+    """The answer for one prompt: prefix lengths in blocks."""
+
+    global_blocks: int
+    """Leading blocks held somewhere (any segment, any tier)."""
+    dram_blocks: int
+    """Leading blocks held in some DRAM segment (<= global_blocks)."""
+    local_blocks: list[int]
+    """Per candidate: leading blocks held in that candidate's own segments."""
+
+
+class KVIndex:
+    def __init__(self) -> None:
+        self._holders: dict[Hashable, int] = {}
+        self._bits: dict[str, int] = {}
+        self._names: list[str] = []
+        self._nodes: list[str] = []
+        self._blocks: list[int] = []
+        self.ssd_mask = 0
+        self.events = 0
+        self.clears = 0
+
+    # -- segments --------------------------------------------------------------------------
+
+    def segment(self, name: str, node_id: str = "", tier: int = DRAM) -> int:
+        """The bit of a segment (registered on first sight)."""
+        bit = self._bits.get(name)
+        if bit is None:
+            bit = len(self._names)
+            self._bits[name] = bit
+            self._names.append(name)
+            self._nodes.append(node_id)
+            self._blocks.append(0)
+            if tier == SSD:
+                self.ssd_mask |= 1 << bit
+        elif node_id and not self._nodes[bit]:
+            self._nodes[bit] = node_id
+        return bit
+
+    def mask(self, segments: Iterable[str]) -> int:
+        """The mask of named segments (an instance's local ones); unknown names are
+        registered, so a segment that has no blocks yet still identifies its instance."""
+        m = 0
+        for s in segments:
+            if s:
+                m |= 1 << self.segment(s)
+        return m
+
+    def blocks_in(self, segment: str) -> int:
+        bit = self._bits.get(segment)
+        return 0 if bit is None else self._blocks[bit]
+
+    # -- updates ---------------------------------------------------------------------------
+
+    def add(self, key: Hashable, bit: int) -> None:
+        h = self._holders.get(key, 0)
+        b = 1 << bit
+        if not h & b:
+            self._holders[key] = h | b
+            self._blocks[bit] += 1
+
+    def discard(self, key: Hashable, bit: int) -> None:
+        h = self._holders.get(key)
+        b = 1 << bit
+        if h is None or not h & b:
+            return
+        h &= ~b
+        self._blocks[bit] -= 1
+        if h:
+            self._holders[key] = h
+        else:
+            del self._holders[key]
+
+    def apply(self, kind: int, key: Hashable, segment: str, node_id: str = "",
+              tier: int = DRAM) -> None:
+        """One store event. A spill moves the block from the node's DRAM to its SSD (the
+        master drops the DRAM copy without an event of its own)."""
+        self.events += 1
+        bit = self.segment(segment, node_id, tier)
+        if kind in (STORED, PROMOTED):
+            self.add(key, bit)
+        elif kind in (EVICTED, REMOVED):
+            self.discard(key, bit)
+        elif kind == SPILLED:
+            h = self._holders.get(key, 0)
+            node = node_id or self._nodes[bit]
+            for other in _bits_of(h & ~self.ssd_mask):
+                if self._nodes[other] == node:
+                    self.discard(key, other)
+            self.add(key, bit)
+
+    def apply_event(self, ev: store_pb2.BlockEvent) -> None:
+        self.apply(int(ev.kind), ev.key, ev.segment, ev.node_id, int(ev.tier))
+
+    def drop_segment(self, segment: str) -> int:
+        """Forget every block of a segment (its node is gone); returns how many."""
+        bit = self._bits.get(segment)
+        if bit is None or not self._blocks[bit]:
+            return 0
+        b = 1 << bit
+        gone = [k for k, h in self._holders.items() if h & b]
+        for k in gone:
+            self.discard(k, bit)
+        return len(gone)
+
+    def clear(self) -> None:
+        self._holders.clear()
+        self._blocks = [0] * len(self._names)
+        self.clears += 1
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+    def holders(self, key: Hashable) -> list[str]:
+        return [self._names[b] for b in _bits_of(self._holders.get(key, 0))]
+
+    # -- the scheduler's question ----------------------------------------------------------
+
+    def match(self, keys: Sequence[Hashable], masks: Sequence[int]) -> Match:
+        """Prefix lengths of `keys`: anywhere, in DRAM, and per candidate mask."""
+        get = self._holders.get
+        n = len(keys)
+        local = [0] * len(masks)
+        alive = [i for i, m in enumerate(masks) if m]
+        not_ssd = ~self.ssd_mask
+        dram = -1
+        pos = 0
+        while pos < n:
+            h = get(keys[pos], 0)
+            if not h:
+                break
+            if dram < 0 and not h & not_ssd:
+                dram = pos
+            if alive:
+                still = []
+                for i in alive:
+                    if h & masks[i]:
+                        still.append(i)
+                    else:
+                        local[i] = pos
+                alive = still
+            pos += 1
+        for i in alive:
+            local[i] = pos
+        return Match(pos, pos if dram < 0 else dram, local)
+
+
+def _bits_of(mask: int) -> Iterable[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+class IndexFeeder:
+    """Keeps a `KVIndex` in step with the store: a thread reads the `Watch` stream and
+    posts each event to the event loop (one thread owns the index, so the hot path takes no
+    lock); on any break it clears the index and resubscribes with a backoff, because the
+    events missed meanwhile cannot be replayed."""
+
+    def __init__(self, index: KVIndex, store: StoreClient, loop: asyncio.AbstractEventLoop,
+                 *, retry_s: float = 1.0,
+                 on_event: Callable[[], None] | None = None) -> None:
+        self.index = index
+        self.store = store
+        self.loop = loop
+        self.retry_s = retry_s
+        self.on_event = on_event
+        self.connected = False
+        self.reconnects = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-index-feed", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _post(self, events: list[store_pb2.BlockEvent]) -> None:
+        def apply() -> None:
+            for ev in events:
+                self.index.apply_event(ev)
+            if self.on_event is not None:
+                self.on_event()
+
+        if events and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(apply)
+
+    def _reset(self) -> None:
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.index.clear)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                for ev in self.store.watch():
+                    if not self.connected:
+                        self.connected = True
+                        log.info("KV index following the store's block events")
+                    self._post([ev])
+                    if self._stop.is_set():
+                        return
+            except Exception as e:
+                if self._stop.is_set():
+                    return
+                log.warning("block event stream broke; clearing the KV index",
+                            extra={"error": f"{type(e).__name__}: {e}"})
+            self.connected = False
+            self.reconnects += 1
+            self._reset()
+            self._stop.wait(self.retry_s)
