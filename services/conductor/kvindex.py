@@ -25,8 +25,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from bisect import bisect_right
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import accumulate, repeat, takewhile
+from operator import and_, neg
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -161,32 +164,47 @@ class KVIndex:
     # -- the scheduler's question ----------------------------------------------------------
 
     def match(self, keys: Sequence[Hashable], masks: Sequence[int]) -> Match:
-        """Prefix lengths of `keys`: anywhere, in DRAM, and per candidate mask."""
+        """Prefix lengths of `keys`: anywhere, in DRAM, and per candidate mask.
+
+        A candidate's local prefix is the longest run of leading blocks held by one of its
+        segments (a prefix split across two of its segments counts up to the split; the rest
+        is costed as a fetch). The walk runs at C speed: the holder masks of the keys up to the
+        first miss, their running AND; Python only visits the few points where the
+        running AND loses bits."""
         get = self._holders.get
-        n = len(keys)
+        hs = list(takewhile(bool, map(get, keys, repeat(0))))
+        g = len(hs)
         local = [0] * len(masks)
-        alive = [i for i, m in enumerate(masks) if m]
-        not_ssd = ~self.ssd_mask
-        dram = -1
-        pos = 0
-        while pos < n:
-            h = get(keys[pos], 0)
-            if not h:
-                break
-            if dram < 0 and not h & not_ssd:
-                dram = pos
-            if alive:
-                still = []
-                for i in alive:
-                    if h & masks[i]:
-                        still.append(i)
-                    else:
-                        local[i] = pos
-                alive = still
-            pos += 1
-        for i in alive:
-            local[i] = pos
-        return Match(pos, pos if dram < 0 else dram, local)
+        if not g:
+            return Match(0, 0, local)
+        ssd = self.ssd_mask
+        dram = g
+        if ssd:
+            not_ssd = ~ssd
+            dram = next((p for p in range(g) if not hs[p] & not_ssd), g)
+        acc = list(accumulate(hs, and_))
+        first = acc[0]
+        last = acc[-1]
+        # Positions where the running AND changes (it only ever loses bits).
+        # Bits only ever drop out, so the running AND is numerically non-increasing: each
+        # change is found by bisection.
+        cuts = [(0, first)]
+        p, a = 0, first
+        while a != last:
+            p = bisect_right(acc, -a, lo=p, key=neg)
+            a = acc[p]
+            cuts.append((p, a))
+        for i, m in enumerate(masks):
+            if not m & first:
+                continue
+            if m & last:
+                local[i] = g
+                continue
+            for p, a in cuts:
+                if not a & m:
+                    local[i] = p
+                    break
+        return Match(g, dram, local)
 
 
 def _bits_of(mask: int) -> Iterable[int]:

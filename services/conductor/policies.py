@@ -174,21 +174,22 @@ class Scheduler:
             pi = min(range(len(prefills)), key=lambda i: prefills[i].queue_ms)
             ttft = prefills[pi].queue_ms + self._cost_local(local[pi], prompt)
         else:
-            memo: dict[int, tuple[float, int]] = {}
-            best, pi = math.inf, 0
             glob = policy == "global_cache_aware"
-            for i, p in enumerate(prefills):
-                li = local[i]
-                cost = memo.get(li)
-                if cost is None:
-                    cost = (self._cost_global(li, match, prompt) if glob
-                            else (self._cost_local(li, prompt), 0))
-                    memo[li] = cost
-                t = p.queue_ms + cost[0]
-                if t < best:
-                    best, pi = t, i
-            ttft = best
-            fetch = memo[local[pi]][1]
+            costs: dict[int, tuple[float, int]] = {}
+            for li in set(local):
+                costs[li] = (self._cost_global(li, match, prompt) if glob
+                             else (self._cost_local(li, prompt), 0))
+            if len(costs) == 1:
+                (only,) = costs.values()
+                queues = [p.queue_ms for p in prefills]
+                pi = queues.index(min(queues))
+                ttft = queues[pi] + only[0]
+            else:
+                totals = [p.queue_ms + costs[li][0]
+                          for p, li in zip(prefills, local, strict=True)]
+                ttft = min(totals)
+                pi = totals.index(ttft)
+            fetch = costs[local[pi]][1]
         reuse = local[pi] + fetch
         cached = self._tokens(reuse, prompt)
         self.ledger.expire(now_ms)
@@ -220,19 +221,29 @@ class Scheduler:
             di = self._rr_decode % len(decodes)
             self._rr_decode += 1
         else:
-            # Cheap ranking by the ledger's current totals, then an exact look at the winner:
-            # exact predictions for every instance would cost a bisect each.
+            # Rank by the ledger's current totals (the batch-size and context terms of the
+            # step time; the rest is the same for every instance), then look exactly at the
+            # winner: an exact prediction for every instance would cost a bisection each.
             led = self.ledger
             led.ensure(max(d.slot for d in decodes) + 1)
-            best_key: tuple[bool, float] = (True, math.inf)
+            dm = self.model.decode
+            ps, pc, dcap = dm.per_seq_ms, dm.per_ctx_token_ms, dm.kv_capacity_tokens
+            seqs, toks = led.seqs, led.tokens
+            best = math.inf
             di = 0
             for i, d in enumerate(decodes):
-                seqs = max(led.seqs[d.slot], d.running)
-                toks = max(led.tokens[d.slot], d.kv_used_tokens)
-                cap = d.kv_capacity_tokens or self.model.decode.kv_capacity_tokens
-                key = (bool(cap) and toks + need > cap, step(seqs + 1, toks + need))
-                if key < best_key:
-                    best_key, di = key, i
+                s = seqs[d.slot]
+                if d.running > s:
+                    s = d.running
+                t = toks[d.slot]
+                if d.kv_used_tokens > t:
+                    t = d.kv_used_tokens
+                cap = d.kv_capacity_tokens or dcap
+                v = ps * s + pc * t
+                if cap and t + need > cap:
+                    v += 1e18  # full: only if every instance is
+                if v < best:
+                    best, di = v, i
         seqs, toks, cap = self._state(decodes[di], arrive_ms)
         fits = not cap or toks + need <= cap
         tbt = step(seqs + 1, toks + need)
