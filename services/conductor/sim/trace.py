@@ -65,7 +65,7 @@ def load(path: str | Path, *, limit: int | None = None) -> list[TraceRequest]:
 def infer_block_tokens(reqs: list[TraceRequest]) -> int:
     """The block size a trace was cut with: the published traces use 512, and a request's
     block count is ceil(input / block), so the smallest power of two that fits all works."""
-    for bt in (16, 32, 64, 128, 256, 512, 1024, 2048):
+    for bt in (1 << e for e in range(13)):
         if all(len(r.blocks) == -(-r.input_tokens // bt) for r in reqs[:2000] if r.blocks):
             return bt
     raise TraceError("cannot infer the trace's block size; pass --block-tokens")
