@@ -115,7 +115,7 @@ def peer_decide(world: World, model: costmodel.CostModel, d: Demand,
 
 def _pct(xs: list[float], p: float) -> float:
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
 
 
 def bench_case(blocks: int, instances: int, n: int, prompt_tokens: int, seed: int,

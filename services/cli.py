@@ -171,8 +171,8 @@ def store_demo(size: int) -> None:
 
 
 def _register_serving() -> None:
-    from mooncake_k8s.cli_serving import COMMANDS
     from mooncake_k8s.cli_sched import COMMANDS as SCHED_COMMANDS
+    from mooncake_k8s.cli_serving import COMMANDS
 
     for command in [*COMMANDS, *SCHED_COMMANDS]:
         main.add_command(command)

@@ -120,8 +120,10 @@ def replay(trace_path: str, json_out: str | None, policies: str | None, er: str,
             block_tokens=int(block_tokens or 512), local_cache_tokens=cache_tokens,
             ttft_slo_ms=ttft_slo_ms, tbt_slo_ms=tbt_slo_ms, rate_scale=scale, noise=noise,
             seed=seed, profile=profile or model.name)
-        out = rp.run_all(reqs, setup, model, pols, ers,
-                         progress=lambda m, s=scale: click.echo(f"  [x{s}] {m}", err=True))
+        def progress(msg: str, s: float = scale) -> None:
+            click.echo(f"  [x{s}] {msg}", err=True)
+
+        out = rp.run_all(reqs, setup, model, pols, ers, progress=progress)
         rows += [{**r, "rate_scale": scale} for r in out["rows"]]
     assert setup is not None
     summary = out["setup"]

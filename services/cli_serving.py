@@ -137,6 +137,26 @@ def decode(local_segment_size: int, **o: Any) -> None:
     _worker("decode", o, local_segment_size=local_segment_size)
 
 
+# Kept equal to conductor.policies.POLICIES (a unit test checks); spelled out here so the
+# CLI validates flags without importing the Conductor.
+SCHED_POLICIES = ("random", "round_robin", "load_balancing", "local_cache_aware",
+                  "global_cache_aware")
+_sched_opts = [
+    click.option("--scheduler", "scheduler", envvar="MOONCAKE_SCHEDULER",
+                 default="global_cache_aware", show_default=True, show_envvar=True,
+                 type=click.Choice(SCHED_POLICIES), help="Scheduling policy."),
+    click.option("--cost-model", envvar="MOONCAKE_COST_MODEL", default=None, show_envvar=True,
+                 help="Cost model from `mooncake calibrate` (a .json/.yaml file) or a shipped "
+                      "profile name [default: llama3-70b-a800x8]."),
+    click.option("--ttft-slo-ms", envvar="MOONCAKE_TTFT_SLO_MS", default=None,
+                 show_envvar=True, type=click.FloatRange(min=0, min_open=True),
+                 help="Refuse (429) requests predicted to miss this time to first token."),
+    click.option("--tbt-slo-ms", envvar="MOONCAKE_TBT_SLO_MS", default=None,
+                 show_envvar=True, type=click.FloatRange(min=0, min_open=True),
+                 help="Refuse (429) requests predicted to miss this time between tokens."),
+]
+
+
 @click.command("conductor")
 @_apply(_host_opts)
 @click.option("--port", envvar="MOONCAKE_CONDUCTOR_PORT", default=8000, show_default=True,
@@ -156,6 +176,7 @@ def decode(local_segment_size: int, **o: Any) -> None:
 @click.option("--otlp-endpoint", envvar="OTEL_EXPORTER_OTLP_ENDPOINT", default=None,
               show_envvar=True, help="Export traces over OTLP/gRPC.")
 @_apply(_model_opts)
+@_apply(_sched_opts)
 @_token_opt
 @_with_logs
 def conductor(**o: Any) -> None:
@@ -172,7 +193,8 @@ def conductor(**o: Any) -> None:
         prefill=o["prefill_spec"], decode=o["decode_spec"], engine=_engine_config(o),
         master=o["master"], token=o["token"], host=o["host"], port=o["port"],
         api_keys_file=o["api_keys_file"], served_model_name=o["served_model_name"],
-        use_prefix_cache=not o["no_prefix_cache"],
+        use_prefix_cache=not o["no_prefix_cache"], policy=o["scheduler"],
+        cost_model=o["cost_model"], ttft_slo_ms=o["ttft_slo_ms"], tbt_slo_ms=o["tbt_slo_ms"],
     ))
 
 
@@ -192,6 +214,7 @@ def conductor(**o: Any) -> None:
               help="Where the components' logs go [default: a temp dir].")
 @click.option("--ready-timeout", default=600.0, show_default=True, type=float)
 @_apply(_model_opts)
+@_apply(_sched_opts)
 def up(**o: Any) -> None:
     """Start a whole cluster on this machine (master, store, prefill, decode, Conductor)."""
     from mooncake_k8s.up import UpConfig, run_up
@@ -202,6 +225,10 @@ def up(**o: Any) -> None:
         use_prefix_cache=not o["no_prefix_cache"], log_dir=o["log_dir"], model=o["model"],
         served_model_name=o["served_model_name"], block_tokens=o["block_tokens"],
         device=o["device"], threads=o["threads"], ready_timeout_s=o["ready_timeout"],
+        extra_env={env: str(o[key]) for key, env in (
+            ("scheduler", "MOONCAKE_SCHEDULER"), ("cost_model", "MOONCAKE_COST_MODEL"),
+            ("ttft_slo_ms", "MOONCAKE_TTFT_SLO_MS"), ("tbt_slo_ms", "MOONCAKE_TBT_SLO_MS"))
+            if o[key] is not None},
     ))
 
 

@@ -25,6 +25,8 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+from mooncake_k8s.conductor.protocol import ApiError
+
 PRIORITIES = ("interactive", "batch")
 
 
@@ -83,6 +85,20 @@ class Verdict:
     retry_after_s: int = 0
     headroom_ms: float = math.inf
     """TTFT SLO minus the predicted TTFT (inf without a TTFT objective)."""
+
+
+class Overloaded(ApiError):
+    """A 429 the Conductor sends when it predicts an SLO miss; `Retry-After` says when the
+    prediction expects room again (clients and load balancers back off by it)."""
+
+    def __init__(self, verdict: Verdict, priority: str) -> None:
+        what = {"ttft": "time to first token", "tbt": "time between tokens",
+                "kv": "decode KV memory"}.get(verdict.reason, verdict.reason)
+        super().__init__(429, f"overloaded: this {priority} request is predicted to miss its "
+                              f"{what} objective; retry in {verdict.retry_after_s} s",
+                         type_="rate_limit_error", code=f"slo_{verdict.reason}")
+        self.verdict = verdict
+        self.headers = {"Retry-After": str(verdict.retry_after_s)}
 
 
 def judge(config: AdmissionConfig, priority: str, ttft_ms: float, tbt_ms: float,

@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from mooncake_k8s.common import tracing
 from mooncake_k8s.common.rpc import serving_pb2 as pb
+from mooncake_k8s.conductor.admission import PRIORITIES
 from mooncake_k8s.conductor.metrics import ConductorMetrics
 from mooncake_k8s.conductor.pipeline import Delta, Generation, Outcome, Pipeline
 from mooncake_k8s.conductor.protocol import (
@@ -160,6 +161,10 @@ class Frontend:
         endpoint = f"/v1/{'chat/completions' if kind == 'chat' else 'completions'}"
         try:
             tenant = self.authenticate(request)
+            priority = request.headers.get("X-Mooncake-Priority", "interactive").lower()
+            if priority not in PRIORITIES:
+                raise ApiError(400, f"X-Mooncake-Priority must be one of {', '.join(PRIORITIES)}"
+                                    f", not {priority!r}", param="X-Mooncake-Priority")
             try:
                 body = await request.json(loads=json.loads)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -167,10 +172,12 @@ class Frontend:
             req: _Common = parse(ChatRequest if kind == "chat" else CompletionRequest, body)
             with tracing.span("conductor.request", endpoint=endpoint):
                 gen, max_tokens = await self._prepare(req, kind, tenant)
+                gen.priority = priority
                 return await self._respond(request, req, kind, gen, max_tokens, endpoint)
         except ApiError as e:
             self.metrics.requests.labels(endpoint, str(e.status)).inc()
-            return web.json_response(e.body(), status=e.status)
+            return web.json_response(e.body(), status=e.status,
+                                     headers=getattr(e, "headers", None))
 
     async def _prepare(self, req: _Common, kind: str, tenant: str) -> tuple[Generation, int]:
         name = self.model_name()
@@ -353,7 +360,7 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
             return web.json_response(err.body(), status=e.status)
         raise
     except ApiError as e:
-        return web.json_response(e.body(), status=e.status)
+        return web.json_response(e.body(), status=e.status, headers=getattr(e, "headers", None))
     except (ConnectionResetError, asyncio.CancelledError):
         raise
     except Exception:

@@ -140,8 +140,7 @@ class CostModel:
                 prefill=Prefill(**{k: float(v) for k, v in d["prefill"].items()}),
                 transfer={k: Link(float(v["latency_ms"]), float(v["gbps"]))
                           for k, v in d["transfer"].items()},
-                decode=Decode(**{k: (int(v) if k == "kv_capacity_tokens" else float(v))
-                                 for k, v in d["decode"].items()}),
+                decode=_decode_of(d["decode"]),
                 extra=dict(d.get("extra", {})),
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -159,6 +158,11 @@ class CostModel:
         else:
             text = json.dumps(self.to_dict(), indent=2) + "\n"
         p.write_text(text)
+
+
+def _decode_of(d: Mapping[str, Any]) -> Decode:
+    return Decode(float(d["base_ms"]), float(d["per_seq_ms"]), float(d["per_ctx_token_ms"]),
+                  int(d.get("kv_capacity_tokens", 0)))
 
 
 def profiles() -> list[str]:
@@ -254,4 +258,5 @@ def fit_decode(samples: Sequence[tuple[int, int, float]]) -> tuple[Decode, Fit]:
         [float(c) for _, c, _ in samples],
     ]
     f = nnls_fit(cols, [ms for _, _, ms in samples])
-    return Decode(*f.coef), f
+    base, per_seq, per_ctx = f.coef
+    return Decode(base, per_seq, per_ctx), f

@@ -29,7 +29,6 @@ from bisect import bisect_right
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, repeat, takewhile
-from operator import and_, neg
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -182,7 +181,7 @@ class KVIndex:
         if ssd:
             not_ssd = ~ssd
             dram = next((p for p in range(g) if not hs[p] & not_ssd), g)
-        acc = list(accumulate(hs, and_))
+        acc = list(accumulate(hs, int.__and__))
         first = acc[0]
         last = acc[-1]
         # Positions where the running AND changes (it only ever loses bits).
@@ -191,7 +190,7 @@ class KVIndex:
         cuts = [(0, first)]
         p, a = 0, first
         while a != last:
-            p = bisect_right(acc, -a, lo=p, key=neg)
+            p = bisect_right(acc, -a, lo=p, key=int.__neg__)
             a = acc[p]
             cuts.append((p, a))
         for i, m in enumerate(masks):

@@ -30,6 +30,9 @@ class ConductorMetrics:
                                          "Generated tokens", registry=r)
         self.inflight = Gauge("mooncake_conductor_inflight_requests", "Requests running",
                               registry=r)
+        self.ttft_headroom = Gauge(
+            "mooncake_conductor_predicted_ttft_headroom_ms",
+            "TTFT SLO minus the predicted TTFT of the latest routing decision", registry=r)
         self.queue_tokens = Gauge("mooncake_conductor_queue_tokens",
                                   "Tokens queued at the instances of a role", ["role"],
                                   registry=r)

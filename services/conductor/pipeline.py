@@ -35,6 +35,7 @@ class Generation:
     tenant: str
     sampling: pb.Sampling
     use_prefix_cache: bool = True
+    priority: str = "interactive"
 
 
 @dataclass
@@ -77,7 +78,7 @@ class Pipeline:
             try:
                 route = await self.router.route(
                     RouteRequest(gen.request_id, gen.token_ids, gen.tenant,
-                                 gen.sampling.max_tokens, gen.use_prefix_cache),
+                                 gen.sampling.max_tokens, gen.use_prefix_cache, gen.priority),
                     self.prefills.usable(), self.decodes.usable())
             except NoCapacity as e:
                 why = f"{e} (last failure: {last_error})" if attempt else str(e)

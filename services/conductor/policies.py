@@ -23,14 +23,33 @@ the predicted TTFT and the TBT predicted from the decode load the request will m
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import random
+import time
+from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from mooncake_k8s.conductor.admission import AdmissionConfig, DecodeLedger, Verdict, judge
+from mooncake_k8s.conductor.admission import (
+    AdmissionConfig,
+    DecodeLedger,
+    Overloaded,
+    Verdict,
+    judge,
+)
 from mooncake_k8s.conductor.costmodel import CostModel
 from mooncake_k8s.conductor.kvindex import KVIndex, Match
+
+if TYPE_CHECKING:
+    from mooncake_k8s.conductor.instances import Instance
+    from mooncake_k8s.conductor.metrics import ConductorMetrics
+    from mooncake_k8s.conductor.scheduler import Route, RouteRequest
+    from mooncake_k8s.store.client import StoreClient
+
+log = logging.getLogger(__name__)
 
 POLICIES = ("random", "round_robin", "load_balancing", "local_cache_aware",
             "global_cache_aware")
@@ -119,6 +138,8 @@ class Scheduler:
         self.model = model
         self.index = index
         self.ledger = DecodeLedger()
+        self.block_tokens = config.block_tokens
+        """The cluster's; the live router keeps it in step with the workers' reports."""
         self._rng = random.Random(config.seed)
         self._rr_prefill = 0
         self._rr_decode = 0
@@ -129,7 +150,7 @@ class Scheduler:
     def _tokens(self, blocks: int, prompt: int) -> int:
         """Cached tokens for a prefix of `blocks`; at least one prompt token is computed
         (its logits give the first output token)."""
-        return max(0, min(blocks * self.config.block_tokens, prompt - 1))
+        return max(0, min(blocks * self.block_tokens, prompt - 1))
 
     def _cost_local(self, local: int, prompt: int) -> float:
         m = self.model
@@ -244,9 +265,108 @@ class Scheduler:
                     v += 1e18  # full: only if every instance is
                 if v < best:
                     best, di = v, i
-        seqs, toks, cap = self._state(decodes[di], arrive_ms)
-        fits = not cap or toks + need <= cap
-        tbt = step(seqs + 1, toks + need)
+        n_seqs, n_toks, cap = self._state(decodes[di], arrive_ms)
+        fits = not cap or n_toks + need <= cap
+        tbt = step(n_seqs + 1, n_toks + need)
         clears = self.ledger.next_finish(decodes[di].slot) - arrive_ms
         return di, tbt, fits, max(0.0, clears)
 
+
+
+class MooncakeRouter:
+    """The live Conductor's `Router`: `Scheduler.decide` over the instance pools.
+
+    Views come from the instances' load reports plus what this Conductor has sent since
+    (`inflight`): a prefill queue is predicted from its queued tokens with the cost model
+    (their cached share is unknown here, so it is an upper bound); a decode instance's load is
+    the larger of its report and the ledger. Block keys use the workers' namespace, so the
+    index answers in the store's own keys. A predicted SLO miss raises `Overloaded` (429).
+    A fetched hot prefix is soft-pinned in the store so it stays in the pool (the store has no
+    call to add a replica of an existing object; pinning is what its API offers).
+    """
+
+    def __init__(self, scheduler: Scheduler, store: StoreClient | None = None,
+                 metrics: ConductorMetrics | None = None, pin_memory: int = 4096) -> None:
+        self.scheduler = scheduler
+        self.index = scheduler.index
+        self.store = store
+        self.metrics = metrics
+        self._slots: dict[str, int] = {}
+        self._pinned: OrderedDict[str, None] = OrderedDict()
+        self._pin_memory = pin_memory
+
+    def _slot(self, inst: Instance) -> int:
+        slot = self._slots.get(inst.address)
+        if slot is None:
+            slot = self._slots[inst.address] = len(self._slots)
+        return slot
+
+    def _prefill_view(self, inst: Instance) -> PrefillView:
+        r = inst.report
+        pf = self.scheduler.model.prefill
+        queued = max(r.queued_tokens if r else 0, inst.inflight_tokens)
+        jobs = max(r.queued_requests if r else 0, inst.inflight)
+        mask = self.index.mask([r.local_segment]) if r and r.local_segment else 0
+        return PrefillView(self._slot(inst), pf.base_ms * jobs + pf.per_token_ms * queued, mask)
+
+    def _decode_view(self, inst: Instance) -> DecodeView:
+        r = inst.report
+        if r is None:
+            return DecodeView(self._slot(inst), inst.inflight)
+        used = max(0, r.kv_capacity_tokens - r.kv_free_tokens)
+        return DecodeView(self._slot(inst), max(r.running, inst.inflight), used,
+                          r.kv_capacity_tokens)
+
+    async def route(self, req: RouteRequest, prefills: Sequence[Instance],
+                    decodes: Sequence[Instance]) -> Route:
+        from mooncake_k8s.common.blocks import block_keys
+        from mooncake_k8s.conductor.scheduler import NoCapacity, Route, namespace_of, pick_decode
+
+        if not prefills:
+            raise NoCapacity("no prefill instance is ready")
+        if not decodes:
+            raise NoCapacity("no decode instance is ready")
+        # During a rollout, only pair instances of one revision.
+        revs = {d.report.revision for d in decodes if d.report}
+        prefills = [p for p in prefills if p.report and p.report.revision in revs] or prefills
+        first = prefills[0].report
+        assert first is not None
+        self.scheduler.block_tokens = first.block_tokens or self.scheduler.block_tokens
+        keys: list[str] = []
+        if req.use_prefix_cache and len(req.token_ids) >= self.scheduler.block_tokens:
+            keys = block_keys(namespace_of(prefills[0], req.tenant), req.token_ids)
+        demand = Demand(keys, len(req.token_ids), max(1, req.max_tokens),
+                        getattr(req, "priority", "interactive"))
+        dec = self.scheduler.decide(demand, [self._prefill_view(p) for p in prefills],
+                                    [self._decode_view(d) for d in decodes],
+                                    time.monotonic() * 1000.0)
+        if self.metrics is not None and math.isfinite(dec.verdict.headroom_ms):
+            self.metrics.ttft_headroom.set(dec.verdict.headroom_ms)
+        if not dec.admitted:
+            if self.metrics is not None:
+                self.metrics.rejections.labels(f"slo_{dec.verdict.reason}").inc()
+            raise Overloaded(dec.verdict, demand.priority)
+        prefill = prefills[dec.prefill]
+        decode = decodes[dec.decode]
+        if (prefill.report and decode.report
+                and decode.report.revision != prefill.report.revision):
+            decode = pick_decode(decodes, prefill, len(req.token_ids) + req.max_tokens)
+        if dec.replicate and dec.fetch_blocks:
+            self._pin(keys[: dec.local_blocks + dec.fetch_blocks])
+        return Route(prefill, decode, dec.local_blocks + dec.fetch_blocks)
+
+    def _pin(self, keys: list[str]) -> None:
+        if self.store is None or not keys or keys[-1] in self._pinned:
+            return
+        self._pinned[keys[-1]] = None
+        while len(self._pinned) > self._pin_memory:
+            self._pinned.popitem(last=False)
+        store = self.store
+
+        def pin() -> None:
+            try:
+                store.pin(keys)
+            except Exception as e:  # a failed pin costs future hits, never this request
+                log.debug("pinning a hot prefix failed", extra={"error": str(e)})
+
+        asyncio.get_running_loop().run_in_executor(None, pin)

@@ -33,6 +33,8 @@ class RouteRequest:
     tenant: str
     max_tokens: int
     use_prefix_cache: bool = True
+    priority: str = "interactive"
+    """Request class for early rejection (`interactive` is shed last)."""
 
 
 @dataclass(frozen=True)

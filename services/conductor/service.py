@@ -11,11 +11,14 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from mooncake_k8s.conductor import costmodel
+from mooncake_k8s.conductor.admission import SLO, AdmissionConfig
 from mooncake_k8s.conductor.api import Frontend, load_api_keys, make_app
 from mooncake_k8s.conductor.instances import InstancePool
+from mooncake_k8s.conductor.kvindex import IndexFeeder, KVIndex
 from mooncake_k8s.conductor.metrics import ConductorMetrics
 from mooncake_k8s.conductor.pipeline import Pipeline
-from mooncake_k8s.conductor.scheduler import PrefixAwareRouter
+from mooncake_k8s.conductor.policies import MooncakeRouter, Scheduler, SchedulerConfig
 from mooncake_k8s.store.client import StoreClient
 
 if TYPE_CHECKING:
@@ -38,6 +41,13 @@ class ConductorConfig:
     served_model_name: str | None = None
     use_prefix_cache: bool = True
     poll_interval_s: float = 0.5
+    policy: str = "global_cache_aware"
+    """Scheduling policy (`policies.POLICIES`)."""
+    cost_model: str | None = None
+    """A cost model file (`mooncake calibrate`) or shipped profile; None = the default."""
+    ttft_slo_ms: float | None = None
+    tbt_slo_ms: float | None = None
+    """With either set, requests predicted to miss it are refused up front (429)."""
 
 
 class Conductor:
@@ -51,14 +61,24 @@ class Conductor:
         self.store = (StoreClient(config.master, config.token, timeout_s=2.0)
                       if config.master else None)
         keys = load_api_keys(config.api_keys_file) if config.api_keys_file else None
+        slo = SLO(config.ttft_slo_ms, config.tbt_slo_ms)
+        self.index = KVIndex()
+        self.scheduler = Scheduler(SchedulerConfig(
+            policy=config.policy, admission=AdmissionConfig(slo) if slo.active else None,
+        ), costmodel.load(config.cost_model), self.index)
+        self.router = MooncakeRouter(self.scheduler, self.store, self.metrics)
+        self._feeder: IndexFeeder | None = None
         self.frontend = Frontend(
-            Pipeline(self.prefills, self.decodes, PrefixAwareRouter(self.store)),
+            Pipeline(self.prefills, self.decodes, self.router),
             self.metrics, keys, config.served_model_name, config.use_prefix_cache)
         self._runner: web.AppRunner | None = None
         self.port = 0
 
     async def start(self) -> None:
         asyncio.get_running_loop().run_in_executor(None, self._load_tokenizer)
+        if self.store is not None and self.config.use_prefix_cache:
+            self._feeder = IndexFeeder(self.index, self.store, asyncio.get_running_loop())
+            self._feeder.start()
         await self.prefills.start()
         await self.decodes.start()
         self._runner = web.AppRunner(make_app(self.frontend), access_log=None)
@@ -77,6 +97,8 @@ class Conductor:
             log.exception("tokenizer failed to load")
 
     async def stop(self) -> None:
+        if self._feeder is not None:
+            self._feeder.stop()
         if self._runner is not None:
             await self._runner.cleanup()
         await self.prefills.close()
