@@ -10,7 +10,7 @@ the product, not a test harness.
 
 Each launch gets a fresh free port, its own session (process group) and a log file; readiness
 is `GET /readyz == 200`; stopping is SIGTERM to `mooncake up` (which stops its children) and a
-wait, then SIGKILL to the group we created if anything is left after the grace period.
+wait, then TERM/KILL to whatever of its process tree is left after the grace period.
 """
 
 from __future__ import annotations
@@ -84,35 +84,78 @@ def _tail(path: Path, n: int = LOG_TAIL) -> str:
     return "\n".join(lines[-n:])
 
 
-def _group_alive(pgid: int) -> bool:
+def _proc_stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of a live process, from /proc; None if gone."""
     try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # the command name may contain spaces
+    return int(fields[1]), int(fields[19])
+
+
+def descendants(root: int) -> list[tuple[int, int]]:
+    """Every process below `root` as (pid, start time): the components `mooncake up` started.
+
+    They run in sessions of their own, so signalling our process group does not reach them;
+    the start time guards against signalling a recycled pid later.
+    """
+    parent_of: dict[int, tuple[int, int]] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and (st := _proc_stat(int(entry))) is not None:
+                parent_of[int(entry)] = st
+    found: list[tuple[int, int]] = []
+    frontier = [root]
+    while frontier:
+        parent = frontier.pop()
+        for pid, (ppid, started) in parent_of.items():
+            if ppid == parent:
+                found.append((pid, started))
+                frontier.append(pid)
+    return found
+
+
+def _alive(pid: int, started: int) -> bool:
+    st = _proc_stat(pid)
+    return st is not None and st[1] == started
 
 
 def stop(proc: subprocess.Popen[bytes], grace_s: float = 60.0) -> None:
-    """SIGTERM `mooncake up` and wait; then make sure nothing of its process group is left."""
-    pgid = proc.pid  # start_new_session=True: the group is ours alone
+    """SIGTERM `mooncake up`, wait for it to stop its components; force only what is left.
+
+    The component list is taken before signalling: once `mooncake up` exits, its children are
+    re-parented and could no longer be found.
+    """
+    kids = descendants(proc.pid)
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            print(f"  mooncake up (pid {proc.pid}) still running after {grace_s:.0f} s, "
-                  "killing its process group", file=sys.stderr)
-    # Whatever `mooncake up` left behind (it died, or ran out of grace): TERM, then KILL.
-    for sig, wait_s in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0)):
-        if not _group_alive(pgid):
-            break
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, sig)
+            print(f"  mooncake up (pid {proc.pid}) still running after {grace_s:.0f} s; "
+                  "stopping its processes directly", file=sys.stderr)
+    left = [(pid, st) for pid, st in kids if _alive(pid, st)]
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 3.0)):
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, sig)  # start_new_session=True: this group is ours alone
+        for pid, _ in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
         deadline = time.monotonic() + wait_s
-        while _group_alive(pgid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=5)
+        while time.monotonic() < deadline:
+            left = [(pid, st) for pid, st in left if _alive(pid, st)]
+            if proc.poll() is None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=0.2)
+            elif not left:
+                return
+            else:
+                time.sleep(0.2)
+    if proc.poll() is None or left:
+        print(f"  could not stop every process of mooncake up (pid {proc.pid}): "
+              f"{[pid for pid, _ in left]}", file=sys.stderr)
 
 
 @contextlib.contextmanager

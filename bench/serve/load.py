@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import sys
 import time
@@ -29,6 +30,8 @@ import numpy as np
 
 from bench.serve import client, datasets
 from bench.serve.client import ApiConfig, RequestOutput, RequestSpec
+
+WARMUP_TIMEOUT_S = 180.0
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,12 @@ def new_session() -> aiohttp.ClientSession:
 
 
 async def warm_up(session: aiohttp.ClientSession, api: ApiConfig, count: int) -> None:
-    """Short untimed requests; a server that cannot answer one stops the run right here."""
+    """Short untimed requests; a server that cannot answer one stops the run right here.
+
+    With its own, shorter timeout: a deployment that accepts requests but never answers them
+    (a dead engine thread) should fail the run in minutes, not after --request-timeout.
+    """
+    api = dataclasses.replace(api, timeout_s=min(api.timeout_s, WARMUP_TIMEOUT_S))
     for _ in range(count):
         spec = RequestSpec(prompt=datasets.fresh_prompt(16, api.endpoint), prompt_len=16,
                            output_len=2, tag="warmup")
