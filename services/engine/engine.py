@@ -258,25 +258,21 @@ class Engine:
             rejected_blocks=len(imported) - used,
         )
         if export:
-            result.new_blocks = [
-                (i, self.codec.export(kv, i * bt, (i + 1) * bt)) for i in range(used, full)
-            ]
+            encoded = self.codec.export_range(kv, used, full - used)
+            result.new_blocks = list(zip(range(used, full), encoded, strict=True))
             if n % bt:
                 result.tail_block = self.codec.export(kv, full * bt, n)
         return result
 
     def _import(self, kv: torch.Tensor, blocks: Sequence[Any], seq_id: str) -> int:
         """Copy verified blocks into kv; returns how many leading blocks were usable."""
-        bt = self.block_tokens
-        for i, payload in enumerate(self.codec.verified(blocks, [bt] * len(blocks))):
-            if isinstance(payload, IntegrityError):
-                log.warning(
-                    "imported block failed verification; recomputing from it",
-                    extra={"seq_id": seq_id, "block": i, "reason": str(payload)},
-                )
-                return i
-            self.codec.copy_in(kv, i * bt, payload)
-        return len(blocks)
+        used, error = self.codec.load(kv, blocks, [self.block_tokens] * len(blocks))
+        if error is not None:
+            log.warning(
+                "imported block failed verification; recomputing from it",
+                extra={"seq_id": seq_id, "block": used, "reason": str(error)},
+            )
+        return used
 
     # -- decode -------------------------------------------------------------------------
 
@@ -332,10 +328,9 @@ class Engine:
         if reserve > free:
             raise EngineFull(f"sequence needs {reserve} KV tokens, {free} free")
         kv = self.model.new_kv(reserve)
-        for i, payload in enumerate(self.codec.verified(blocks, sizes)):
-            if isinstance(payload, IntegrityError):
-                raise IntegrityError(f"block {i} of sequence {seq_id!r}: {payload}")
-            self.codec.copy_in(kv, i * bt, payload)
+        copied, error = self.codec.load(kv, blocks, sizes)
+        if error is not None:
+            raise IntegrityError(f"block {copied} of sequence {seq_id!r}: {error}")
         seed = params.seed if params.seed is not None else random_seed()
         self._running[seq_id] = _Sequence(
             seq_id, kv, reserve, n, first_token, 1, max_new, params, seed, stream

@@ -7,6 +7,12 @@ Verification (an xxh3 pass over the payload) runs on a thread pool when blocks a
 releases the GIL, and on a GPU host one core checksums slower than PCIe copies.
 
 Export copies a token range out into one contiguous buffer and prefixes the header.
+
+On a GPU, per-block copies into (or out of) a token range of the cache are strided, and torch
+would stage each through a temporary of its own. Instead, groups of blocks move between pinned
+host memory and one contiguous staging buffer on the device in single DMA copies, and one
+kernel per group scatters (or gathers) the token ranges: measured on an H100 with 8 MB blocks,
+this and parallel verification bring an import within a few percent of the raw PCIe copy.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from ..common.buffers import byte_view
 from ..common.errors import IntegrityError
 
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: Blocks per staging group on a GPU (a group's bytes are staged at once).
+GROUP_BYTES = 256 << 20
 
 
 def _payload_tensor(block: Any, payload: memoryview, dtype: torch.dtype) -> torch.Tensor:
@@ -43,13 +51,33 @@ class BlockCodec:
         self.dtype = _TORCH[layout.dtype]
         self._threads = verify_threads
         self._pool: ThreadPoolExecutor | None = None
+        self._dev_stage: torch.Tensor | None = None
+        self._host_stage: torch.Tensor | None = None
+        self.group = max(1, GROUP_BYTES // layout.payload_bytes(block_tokens))
+
+    def _block_shape(self, tokens: int) -> tuple[int, int, int, int, int]:
+        lay = self.layout
+        return (lay.layers, 2, lay.kv_heads, tokens, lay.head_dim)
+
+    def _staging(self, device: torch.device) -> torch.Tensor:
+        """[group, layer, k|v, kv_head, block_tokens, head_dim] on the device, reused."""
+        if self._dev_stage is None or self._dev_stage.device != device:
+            shape = (self.group, *self._block_shape(self.block_tokens))
+            self._dev_stage = torch.empty(shape, dtype=self.dtype, device=device)
+        return self._dev_stage
+
+    def _token_groups(self, kv: torch.Tensor, start: int, m: int) -> torch.Tensor:
+        """kv's tokens [start, start + m*block_tokens) viewed as [m, layer, k|v, head, bt, d]."""
+        bt = self.block_tokens
+        lay, heads, d = kv.shape[0], kv.shape[2], kv.shape[4]
+        span = kv[:, :, :, start : start + m * bt]
+        return span.view(lay, 2, heads, m, bt, d).permute(3, 0, 1, 2, 4, 5)
 
     def _verify(self, block: Any, tokens: int) -> torch.Tensor:
         header, payload = decode_block(block, self.layout)
         if header.tokens != tokens:
             raise IntegrityError(f"block holds {header.tokens} tokens, expected {tokens}")
-        shape = (self.layout.layers, 2, self.layout.kv_heads, tokens, self.layout.head_dim)
-        return _payload_tensor(block, payload, self.dtype).view(shape)
+        return _payload_tensor(block, payload, self.dtype).view(self._block_shape(tokens))
 
     def verified(
         self, blocks: Sequence[Any], tokens: Sequence[int]
@@ -65,17 +93,82 @@ class BlockCodec:
                 return e
 
         big = len(blocks) > 1 and self.layout.block_bytes(self.block_tokens) >= (1 << 20)
-        if self._threads <= 1 or not big:
+        pool = self._workers() if big else None
+        if pool is None:
             return (one(i) for i in range(len(blocks)))
+        return pool.map(one, range(len(blocks)))
+
+    def _workers(self) -> ThreadPoolExecutor | None:
+        if self._threads <= 1:
+            return None
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="kv-verify")
-        return self._pool.map(one, range(len(blocks)))
+        return self._pool
 
     def copy_in(self, kv: torch.Tensor, start: int, payload: torch.Tensor) -> None:
         """Write a verified payload into kv[..., start:start+tokens, :]."""
         end = start + payload.shape[3]
         pinned = payload.device.type == "cpu" and kv.device.type == "cuda" and payload.is_pinned()
         kv[:, :, :, start:end].copy_(payload, non_blocking=pinned)
+
+    def load(
+        self, kv: torch.Tensor, blocks: Sequence[Any], tokens: Sequence[int]
+    ) -> tuple[int, IntegrityError | None]:
+        """Verify `blocks` (holding `tokens` tokens each, in order from position 0) and copy them
+        into kv. Stops at the first bad block: returns (blocks copied, its error or None)."""
+        cuda = kv.device.type == "cuda"
+        staged: list[int] = []  # token start of each block in the staging buffer
+
+        def flush() -> None:
+            if staged:
+                stage = self._staging(kv.device)
+                self._token_groups(kv, staged[0], len(staged)).copy_(stage[: len(staged)])
+                staged.clear()
+
+        start, copied, error = 0, 0, None
+        for payload in self.verified(blocks, tokens):
+            if isinstance(payload, IntegrityError):
+                error = payload
+                break
+            n = payload.shape[3]
+            if cuda and n == self.block_tokens:
+                slot = self._staging(kv.device)[len(staged)]
+                slot.copy_(payload, non_blocking=payload.is_pinned())
+                staged.append(start)
+                if len(staged) == self.group:
+                    flush()
+            else:
+                flush()
+                self.copy_in(kv, start, payload)
+            start += n
+            copied += 1
+        flush()
+        if cuda:  # the caller may free or reuse its (pinned) buffers once we return
+            torch.cuda.current_stream(kv.device).synchronize()
+        return copied, error
+
+    def export_range(self, kv: torch.Tensor, first: int, count: int) -> list[bytes]:
+        """Encode full blocks first .. first+count-1 of kv."""
+        bt = self.block_tokens
+        if kv.device.type != "cuda":
+            return [self.export(kv, i * bt, (i + 1) * bt) for i in range(first, first + count)]
+        out: list[bytes] = []
+        stage = self._staging(kv.device)
+        if self._host_stage is None:
+            self._host_stage = torch.empty(stage.shape, dtype=self.dtype, pin_memory=True)
+        host = self._host_stage
+        for g in range(first, first + count, self.group):
+            m = min(self.group, first + count - g)
+            stage[:m].copy_(self._token_groups(kv, g * bt, m))
+            host[:m].copy_(stage[:m])
+            views = [byte_view(host[j].reshape(-1).view(torch.uint8)) for j in range(m)]
+            pool = self._workers()
+            if pool is not None:
+                headers = list(pool.map(lambda v: encode_header(self.layout, bt, v), views))
+            else:
+                headers = [encode_header(self.layout, bt, v) for v in views]
+            out += [b"".join(hv) for hv in zip(headers, views, strict=True)]
+        return out
 
     def export(self, kv: torch.Tensor, start: int, end: int) -> bytes:
         """Encode kv[..., start:end, :] as one block (header + payload)."""

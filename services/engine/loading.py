@@ -276,6 +276,7 @@ def _random_model(config: EngineConfig, device: torch.device, dtype: torch.dtype
         torch.manual_seed(0)
         with torch.device(device):
             model = tf.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    model = model.to(device)
     tokenizer = _load_tokenizer(path)
     fp = _fingerprint(b"random-weights", (path / "config.json").read_bytes())
     name = config.served_name or f"{path.name}-random"

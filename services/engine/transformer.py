@@ -11,12 +11,16 @@ GEMM each instead of three/two) and the HF model is then dropped. RoPE cos/sin c
 model's own rotary module, so any rope scaling it implements (llama3, linear, yarn...) is
 honoured; they are tabulated once for every position up to the context length.
 
-Attention uses scaled_dot_product_attention with grouped queries: the query heads that share a
-KV head are stacked along the sequence axis, so K and V are never repeated in memory.
+Attention uses scaled_dot_product_attention without ever repeating K and V in memory. On the
+CPU, the query heads that share a KV head are stacked along the sequence axis and an explicit
+bottom-right causal mask is passed (measured fastest there). On CUDA, a chunk uses the fused
+kernels through `causal_lower_right` with native GQA; if this torch cannot run that combination,
+the first chunk falls back to the CPU formulation for good, with a warning.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from ..common.errors import InvalidArgument
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -67,6 +73,8 @@ class Transformer:
         self.groups = self.num_heads // self.num_kv_heads
         self.max_context: int = max_context or int(cfg.max_position_embeddings)
         self.act: Callable[[torch.Tensor], torch.Tensor] = inner.layers[0].mlp.act_fn
+        # CUDA chunk attention: "gqa" (native), "repeat" (K/V heads repeated), None (masks)
+        self._fused: str | None = "gqa" if self.device.type == "cuda" else None
         with torch.inference_mode():
             self.embed = inner.embed_tokens.weight.detach()
             self.norm = inner.norm.weight.detach()
@@ -172,19 +180,46 @@ class Transformer:
         x = F.embedding(token_ids, self.embed)
         cos, sin = self.cos[start:end, None], self.sin[start:end, None]
         mask: torch.Tensor | None = None
-        if n > 1:  # causal, aligned bottom-right: query i sees keys [0, start + i]
-            qpos = (torch.arange(n, device=self.device) + start).repeat(self.groups)
-            mask = torch.arange(end, device=self.device)[None, :] <= qpos[:, None]
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
             kv[i, 0, :, start:end].copy_(k.transpose(0, 1))
             kv[i, 1, :, start:end].copy_(v.transpose(0, 1))
-            o = F.scaled_dot_product_attention(
-                self._group(q), kv[i, 0, None, :, :end], kv[i, 1, None, :, :end], attn_mask=mask
-            )
-            x = x + F.linear(self._ungroup(o[0], n), layer.wo, layer.bo)
+            keys, values = kv[i, 0, None, :, :end], kv[i, 1, None, :, :end]
+            o: torch.Tensor | None = None
+            if self._fused is not None and n > 1:
+                o = self._attend_fused(q, keys, values)
+            if o is None:
+                if mask is None and n > 1:  # bottom-right causal: query i sees keys <= start+i
+                    qpos = (torch.arange(n, device=self.device) + start).repeat(self.groups)
+                    mask = torch.arange(end, device=self.device)[None, :] <= qpos[:, None]
+                g = F.scaled_dot_product_attention(self._group(q), keys, values, attn_mask=mask)
+                o = self._ungroup(g[0], n)
+            x = x + F.linear(o, layer.wo, layer.bo)
             x = self._mlp(layer, x)
         return x[-1:]
+
+    def _attend_fused(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Chunk attention through the fused CUDA kernels; None if they cannot run here."""
+        from torch.nn.attention.bias import causal_lower_right
+
+        n, end = q.shape[0], keys.shape[2]
+        while self._fused is not None:
+            gqa = self._fused == "gqa"
+            if not gqa:
+                keys = keys.repeat_interleave(self.groups, dim=1)
+                values = values.repeat_interleave(self.groups, dim=1)
+            try:
+                o = F.scaled_dot_product_attention(
+                    q.transpose(0, 1)[None], keys, values,
+                    attn_mask=causal_lower_right(n, end), enable_gqa=gqa,
+                )
+                return o[0].transpose(0, 1).reshape(n, self.num_heads * self.head_dim)
+            except (RuntimeError, ValueError, TypeError) as e:
+                log.warning("fused causal attention (%s) unavailable: %s", self._fused, e)
+                self._fused = "repeat" if gqa else None
+        return None
 
     # -- decode -------------------------------------------------------------------------
 
@@ -207,19 +242,35 @@ class Transformer:
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(layer, x, cos, sin)
             kvnew = torch.stack((k, v), dim=1)  # [B, 2, kv_heads, d]
-            qg = q.view(b, self.num_kv_heads, self.groups, self.head_dim)
             outs = []
             for j in range(b):
                 p, cache = positions[j], kvs[j]
                 cache[i, :, :, p].copy_(kvnew[j])
-                o = F.scaled_dot_product_attention(
-                    qg[j], cache[i, 0, :, : p + 1], cache[i, 1, :, : p + 1]
-                )  # q [kv_heads, groups, d] against K/V [kv_heads, p+1, d]
-                outs.append(o.reshape(1, self.num_heads * self.head_dim))
+                keys, values = cache[i, 0, :, : p + 1], cache[i, 1, :, : p + 1]
+                outs.append(self._attend_one(q[j], keys, values))
             attn = outs[0] if b == 1 else torch.cat(outs)
             x = x + F.linear(attn, layer.wo, layer.bo)
             x = self._mlp(layer, x)
         return self.logits(x)
+
+    def _attend_one(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
+    ) -> torch.Tensor:
+        """One query token [heads, d] against K/V [kv_heads, n, d] -> [1, heads*d]."""
+        if self._fused == "gqa":  # CUDA: 4-D inputs reach the fused (flash) kernels
+            try:
+                o = F.scaled_dot_product_attention(
+                    q.view(1, self.num_heads, 1, self.head_dim), keys[None], values[None],
+                    enable_gqa=True,
+                )
+                return o.reshape(1, self.num_heads * self.head_dim)
+            except (RuntimeError, ValueError, TypeError) as e:
+                log.warning("fused GQA decode attention unavailable: %s", e)
+                self._fused = "repeat"
+        # the query heads sharing a KV head become that head's rows: no K/V repetition
+        qg = q.view(self.num_kv_heads, self.groups, self.head_dim)
+        o = F.scaled_dot_product_attention(qg, keys, values)
+        return o.reshape(1, self.num_heads * self.head_dim)
 
     def forward_single(
         self, token_id: int, position: int, kv: torch.Tensor

@@ -15,7 +15,8 @@ from mooncake_k8s.engine import Engine, EngineConfig, load_engine
 
 @pytest.fixture(scope="session")
 def engine() -> Engine:
-    return load_engine(EngineConfig(), progress=False)
+    # one thread: the CI box has 2 cores and other work; OpenMP spinning collapses under it
+    return load_engine(EngineConfig(threads=1), progress=False)
 
 
 @pytest.fixture
