@@ -66,7 +66,8 @@ class CalibrateConfig:
     block_tokens: int = 64
     name: str = "calibrated"
     seed: int = 0
-    timeout_s: float = 600.0
+    timeout_s: float = 120.0
+    """Per request: a stream that stops producing tokens fails the run instead of hanging."""
 
 
 class _Client:
@@ -206,6 +207,9 @@ async def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print) ->
             await c.complete(_prompt(rng, 16), 1)  # warm-up: lazy init must not be fitted
             pre = await _prefill_samples(c, cfg, rng, log)
             dec = await _decode_samples(c, cfg, rng, log)
+    except (TimeoutError, aiohttp.ClientError) as e:
+        raise CalibrationError(f"request to {cfg.url} failed or timed out after "
+                               f"{cfg.timeout_s:.0f} s: {type(e).__name__}: {e}") from e
     finally:
         stop.set()
     kv = cfg.kv_bytes_per_token
