@@ -224,3 +224,20 @@ def test_ledger_predicts_future_load() -> None:
     assert led.at(0, 0.0) == (0, 0)
     led.expire(1e9)  # a forgotten slot's heap entries expire harmlessly
     assert led.seqs[0] == 0
+
+
+def test_overloaded_is_a_429_with_retry_after() -> None:
+    from mooncake_k8s.conductor.admission import Overloaded, Verdict
+
+    e = Overloaded(Verdict(False, "ttft", 7, -1500.0), "batch")
+    assert e.status == 429 and e.headers == {"Retry-After": "7"}
+    body = e.body()["error"]
+    assert body["code"] == "slo_ttft" and body["type"] == "rate_limit_error"
+    assert "batch request" in body["message"] and "time to first token" in body["message"]
+
+
+def test_cli_policy_choices_match_the_scheduler() -> None:
+    from mooncake_k8s.cli_serving import SCHED_POLICIES
+    from mooncake_k8s.conductor.policies import POLICIES
+
+    assert SCHED_POLICIES == POLICIES
