@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                     if label == "cache":
                         break
     except KeyboardInterrupt:
-        log("interrupted; deployments stopped")
+        log("interrupted; deployments stopped" + (f", logs in {log_dir}" if own_logs else ""))
         return 130
     cache, base = runs.get("cache"), runs.get("baseline")
     result: dict[str, Any] = {}
