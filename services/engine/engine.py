@@ -224,11 +224,11 @@ class Engine:
                 f"which has {full} full blocks of {bt}"
             )
         kv = self._scratch_kv(n)
-        used = self._import(kv, imported, seq_id)
+        verified = self._import(kv, imported, seq_id)
         # Chunks must start at absolute multiples of the chunk size (determinism, see module
         # doc): a partial chunk's worth of imported blocks is recomputed instead.
         per_chunk = self.chunk_tokens // bt
-        used -= used % per_chunk if used * bt < n else 0
+        used = verified - (verified % per_chunk if verified * bt < n else 0)
         start = used * bt
         host_ids = ids
         ids = ids.to(self.device)
@@ -255,7 +255,7 @@ class Engine:
             finish_reason=reason,
             cached_tokens=cached,
             computed_tokens=n - cached,
-            rejected_blocks=len(imported) - used,
+            rejected_blocks=len(imported) - verified,
         )
         if export:
             encoded = self.codec.export_range(kv, used, full - used)

@@ -155,7 +155,8 @@ class PrefillResult:
     """Prompt tokens whose KV was computed here (the recomputed last token of a full hit
     counts: it is work done)."""
     new_blocks: list[tuple[int, bytes]] = field(default_factory=list)
-    """(block index, encoded block) for every full block not imported."""
+    """(block index, encoded block) for every full block not imported (with a chunk size
+    above block_tokens, also verified blocks of a partial chunk, which are recomputed)."""
     tail_block: bytes | None = None
     """Encoded partial block: KV of the prompt tokens after the last full block."""
     rejected_blocks: int = 0

@@ -205,3 +205,22 @@ def test_staged_group_view_matches_per_block_slices() -> None:
     codec._token_groups(kv, 8, 5).copy_(stage)
     for j in range(5):
         assert torch.equal(kv[:, :, :, 8 + 4 * j : 12 + 4 * j], stage[j])
+
+
+def test_larger_prefill_chunks_recompute_a_partial_chunk_of_imports(tmp_path: Path) -> None:
+    """With 32-token chunks over 16-token blocks, an import ending mid-chunk is cut back to
+    the chunk boundary, so the computation (and its bits) match a cold run."""
+    d = _tiny_dir(tmp_path)
+    cfg = EngineConfig(model=str(d), random_weights=True, block_tokens=16,
+                       prefill_chunk_tokens=32)
+    tiny = load_engine(cfg, progress=False)
+    ids = prompt_tokens(tiny, 90)
+    cold = tiny.prefill(ids, [], GREEDY)
+    blocks = [b for _, b in cold.new_blocks]
+    assert len(blocks) == 5
+    res = tiny.prefill(ids, blocks[:3], GREEDY)
+    assert (res.cached_tokens, res.rejected_blocks) == (32, 0)
+    assert res.new_blocks == cold.new_blocks[2:]
+    assert (res.first_token, res.tail_block) == (cold.first_token, cold.tail_block)
+    full = tiny.prefill(ids, blocks, GREEDY)
+    assert full.cached_tokens == 64 and full.new_blocks == cold.new_blocks[4:]
