@@ -66,6 +66,9 @@ def build_registry(config: rc.OperatorConfig, login: Login = _default_login,
             prefix=GROUP, key="last-handled-configuration")
         # Handler log lines stay logs; the events users see are the ones posted below.
         settings.posting.level = logging.WARNING
+        # One discovery at start-up: the CRDs are installed before the operator (their chart
+        # comes first), and watching CRDs would need cluster-wide RBAC in namespaced mode.
+        settings.scanning.disabled = True
         settings.watching.server_timeout = 300
         settings.networking.request_timeout = 60
 
@@ -108,7 +111,7 @@ def build_registry(config: rc.OperatorConfig, login: Login = _default_login,
         changed = [r for r in ROLES if old_revs[r] and old_revs[r] != rendered.revisions[r]]
         if not old_status.get("roles"):
             kopf.event(body, type="Normal", reason="Applied",
-                       message=f"created {len(rendered.objects)} objects")
+                       message=f"applied {len(rendered.objects)} objects")
         elif changed:
             kopf.event(body, type="Normal", reason="RolloutStarted",
                        message=f"new revision for {', '.join(changed)} (serving revision "
@@ -144,6 +147,9 @@ def build_registry(config: rc.OperatorConfig, login: Login = _default_login,
         meta, spec = cluster["metadata"], cluster["spec"]
         ns = meta.get("namespace") or "default"
         mem = runtime.memory(cluster)
+        status_gen = (cluster.get("status") or {}).get("observedGeneration")
+        if mem.last_apply == float("-inf") or status_gen != meta.get("generation", 0):
+            return  # the change handlers have not applied this generation yet: theirs to do
         try:
             scalers = await rc.read_scalers(runtime.client, ns, meta["name"])
             reps = rc.resolve_replicas(spec, scalers)
@@ -158,9 +164,7 @@ def build_registry(config: rc.OperatorConfig, login: Login = _default_login,
                     reps.effective["prefill"], reps.effective["decode"] = (
                         decision.prefill, decision.decode)
             due = now - mem.last_apply >= config.resync_interval_s
-            stale = (cluster.get("status") or {}).get("observedGeneration") != meta.get(
-                "generation", 0)
-            if due or stale or reps.seeds or reps.effective != mem.last_counts:
+            if due or reps.seeds or reps.effective != mem.last_counts:
                 rendered, reps = await rc.apply(runtime, cluster)
                 mem.last_apply, mem.last_counts = now, dict(rendered.replicas)
                 observed = await rc.observe(runtime, cluster)
@@ -184,8 +188,9 @@ def build_registry(config: rc.OperatorConfig, login: Login = _default_login,
         key = (ns, spec.get("clusterName", ""))
         mem = runtime.clusters.get(key)
         wanted = spec.get("replicas")
-        if mem is None or wanted is None or mem.last_counts.get(spec.get("role")) == wanted:
-            return  # not ours yet, or nothing moved
+        if (mem is None or mem.last_apply == float("-inf") or wanted is None
+                or mem.last_counts.get(spec.get("role")) == wanted):
+            return  # not applied by this process yet, or nothing moved
         cluster = await runtime.client.get(GROUP + "/" + VERSION, "MooncakeCluster", *key)
         if cluster is None or cluster["metadata"].get("deletionTimestamp"):
             return

@@ -100,8 +100,11 @@ class KubeClient:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
         self._server = ""
+        self._stopped = False
 
     async def _connect(self) -> aiohttp.ClientSession:
+        if self._stopped:  # a handler outliving the operator's cleanup must not reconnect
+            raise ApiError(503, "the operator is stopping")
         if self._session is None:
             info = await self._login()
             self._server = info.server.rstrip("/")
@@ -111,9 +114,15 @@ class KubeClient:
         return self._session
 
     async def close(self) -> None:
+        """Drop the connection (the next request logs in again)."""
         if self._session is not None:
-            await self._session.close()
-            self._session = None
+            session, self._session = self._session, None
+            await session.close()
+
+    async def stop(self) -> None:
+        """Close for good: later requests fail instead of opening a new session."""
+        self._stopped = True
+        await self.close()
 
     async def request(self, method: str, path: str, *, body: Any = None,
                       params: dict[str, str] | None = None,

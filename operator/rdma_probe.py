@@ -105,7 +105,12 @@ def compact(record: Record) -> str:
         return text
     slim = {**record, "devices": [{"name": d["name"], "active": any(
         p["state"] == "ACTIVE" for p in d["ports"])} for d in record["devices"]][:64]}
-    return json.dumps(slim, separators=(",", ":"), sort_keys=True)[:_MAX_MESSAGE]
+    text = json.dumps(slim, separators=(",", ":"), sort_keys=True)
+    if len(text) > _MAX_MESSAGE:  # never cut JSON in half: drop the list, keep the verdict
+        slim = {**record, "devices": [], "uverbs": [],
+                "reason": record["reason"][:500] + f" ({len(record['devices'])} devices)"}
+        text = json.dumps(slim, separators=(",", ":"), sort_keys=True)
+    return text
 
 
 def write_outputs(record: Record, output: Path | None, termination_log: Path | None) -> None:

@@ -69,6 +69,7 @@ class Runtime:
         self.client = client
         self.clusters: dict[tuple[str, str], ClusterMemory] = {}
         self._http: aiohttp.ClientSession | None = None
+        self._stopped = False
 
     def memory(self, body: Mapping[str, Any]) -> ClusterMemory:
         key = (body["metadata"].get("namespace", ""), body["metadata"]["name"])
@@ -79,6 +80,8 @@ class Runtime:
 
     async def scrape(self, urls: list[str]) -> list[str]:
         """GET each /metrics URL concurrently; unreachable ones are skipped."""
+        if self._stopped:
+            return []
         if self._http is None:
             self._http = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.config.scrape_timeout_s))
@@ -94,10 +97,11 @@ class Runtime:
         return [t for t in await asyncio.gather(*(one(u) for u in urls)) if t is not None]
 
     async def close(self) -> None:
+        self._stopped = True
         if self._http is not None:
-            await self._http.close()
-            self._http = None
-        await self.client.close()
+            http, self._http = self._http, None
+            await http.close()
+        await self.client.stop()
 
 
 def plain(body: Mapping[str, Any]) -> Obj:
@@ -178,6 +182,8 @@ async def apply(runtime: Runtime, cluster: Obj) -> tuple[render.Rendered, Replic
     scalers = await read_scalers(client, ns, meta["name"])
     reps = resolve_replicas(cluster["spec"], scalers)
     rendered = render.render(cluster, reps.effective)
+    # Remember the counts before writing: the scalers' own watch events then see nothing new.
+    runtime.memory(cluster).last_counts = dict(rendered.replicas)
     await ensure_token(client, cluster)
     for obj in rendered.objects:
         await client.apply(obj)
@@ -201,9 +207,18 @@ async def observe(runtime: Runtime, cluster: Obj, error: str | None = None) -> s
     return status.Observed(workloads, pods, usage, error)
 
 
+def _metrics_port(pod: Obj, role: str) -> int:
+    """The pod's own declaration of its metrics port (a podTemplate override may move it)."""
+    name = naming.METRICS_PORT[role]
+    for c in pod.get("spec", {}).get("containers", []) or []:
+        for p in c.get("ports", []) or []:
+            if p.get("name") == name:
+                return int(p["containerPort"])
+    return naming.PORTS[role][name]
+
+
 def _pod_urls(pods: list[Obj], role: str) -> list[str]:
-    port = naming.PORTS[role][naming.METRICS_PORT[role]]
-    return [f"http://{p['status']['podIP']}:{port}/metrics" for p in pods
+    return [f"http://{p['status']['podIP']}:{_metrics_port(p, role)}/metrics" for p in pods
             if p.get("metadata", {}).get("labels", {}).get(naming.LABEL_COMPONENT) == role
             and p.get("status", {}).get("podIP") and _pod_ready(p)]
 

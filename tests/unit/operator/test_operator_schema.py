@@ -58,7 +58,7 @@ def test_schema_is_structural(kind: str, s: Obj) -> None:
 
 @pytest.mark.parametrize(("kind", "s"), ALL_SCHEMAS)
 def test_defaults_validate_against_their_own_schema(kind: str, s: Obj) -> None:
-    for path, node in _nodes(s):
+    for _path, node in _nodes(s):
         if "default" in node:
             sub = {k: v for k, v in node.items() if k != "default"}
             jsonschema.validate(apply_defaults(sub, node["default"]), sub)
@@ -198,7 +198,7 @@ def test_name_too_long_for_child_names(make_cluster: Callable[..., Obj]) -> None
 def test_wrong_kind_is_rejected(make_cluster: Callable[..., Obj]) -> None:
     c = make_cluster({})
     c["apiVersion"] = "mooncake.io/v1"
-    with pytest.raises(InvalidResource, match="expected apiVersion mooncake.io/v1alpha1"):
+    with pytest.raises(InvalidResource, match=r"expected apiVersion mooncake\.io/v1alpha1"):
         validate_cluster(c)
 
 
@@ -208,7 +208,7 @@ def test_ssd_tier_is_immutable_on_update(make_cluster: Callable[..., Obj]) -> No
     grown = make_cluster({"store": {"ssd": {"size": "200Gi"}}})
     with pytest.raises(InvalidResource, match=r"spec.store.ssd: store.ssd is immutable"):
         validate_cluster(grown, old)
-    with pytest.raises(InvalidResource, match="store.ssd cannot be removed"):
+    with pytest.raises(InvalidResource, match=r"store\.ssd cannot be removed"):
         validate_cluster(make_cluster({}), old)
     validate_cluster(grown)  # a create may set any size
 
