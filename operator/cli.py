@@ -80,7 +80,8 @@ def render(files: tuple[TextIO, ...], namespace: str | None) -> None:
 @click.option("--resync-interval", envvar="MOONCAKE_OPERATOR_RESYNC_INTERVAL", default=300.0,
               show_default=True, show_envvar=True, type=click.FloatRange(10.0),
               help="Seconds between unconditional re-applies (drift repair).")
-@click.option("--verbose", is_flag=True, help="Debug logging.")
+@click.option("--verbose", is_flag=True, envvar="MOONCAKE_OPERATOR_VERBOSE", show_envvar=True,
+              help="Debug logging.")
 def operator(namespaces: tuple[str, ...], peering: str | None, priority: int | None,
              listen_host: str, metrics_port: int, health_port: int, sync_interval: float,
              resync_interval: float, verbose: bool) -> None:

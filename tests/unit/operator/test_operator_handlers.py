@@ -106,6 +106,7 @@ class ApplyingEmulator(kmock.KubernetesEmulator):
         # A watch from a list's resourceVersion must not replay what that list returned;
         # KMock re-sends every object as ADDED, which makes kopf act on stale copies.
         since = request.params.get("resourceVersion", "")
+        event: Any
         async for event in super()._serve_watch(request):
             o = event.get("object", {}) if isinstance(event, dict) else {}
             rv = o.get("metadata", {}).get("resourceVersion", "")
@@ -115,7 +116,8 @@ class ApplyingEmulator(kmock.KubernetesEmulator):
             yield event
 
     async def _apply(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
-        key = (request.resource, request.namespace, request.name)
+        assert request.resource is not None and request.name is not None
+        key: Any = (request.resource, request.namespace, request.name)
         async with self._lock:
             applied = request.data
             if key not in self._objects or self._objects[key].deleted:

@@ -215,7 +215,7 @@ def test_ssd_tier_is_immutable_on_update(make_cluster: Callable[..., Obj]) -> No
 
 def test_scaler_role_is_immutable() -> None:
     s = schema.scaler_schema()
-    old = {"apiVersion": "mooncake.io/v1alpha1", "kind": "MooncakeRoleScaler",
+    old: Obj = {"apiVersion": "mooncake.io/v1alpha1", "kind": "MooncakeRoleScaler",
            "metadata": {"name": "x"}, "spec": {"clusterName": "x", "role": "prefill",
                                                "replicas": 2}}
     validate(s, old)

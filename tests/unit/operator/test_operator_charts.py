@@ -1,0 +1,205 @@
+"""Helm charts rendered and linted offline (helm-python-sdk: Helm's Go SDK through a C ABI, no
+`helm` binary, no cluster), every rendered object validated against the Kubernetes schemas, the
+checked-in CRDs compared with the schema module, and static checks of the Dockerfile.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate  # type: ignore[import-untyped]
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from mooncake_k8s.cli import main
+from mooncake_k8s.operator import crds
+from mooncake_k8s.operator.render import render
+from mooncake_k8s.operator.validation import validate_cluster
+
+Obj = dict[str, Any]
+K8S_VERSION = "1.33"
+OPERATOR_CHART = "charts/mooncake-operator"
+CRDS_CHART = "charts/mooncake-crds"
+
+
+def _render_chart(repo: Path, chart: str, values: Obj | None = None) -> list[Obj]:
+    out = helm.Chart.load(repo / chart).render(values or {}, name="mc", namespace="mooncake-system")
+    docs: list[Obj] = []
+    for path, text in sorted(out.items()):
+        if path.endswith(".yaml"):
+            docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def _validate(doc: Obj) -> None:
+    if doc["apiVersion"] == "kopf.dev/v1":  # kopf's own CRD: validate against our copy of it
+        crd = crds.all_crds()[f"kopf.dev_{doc['kind'].lower()}s.yaml"]
+        jsonschema.validate(doc, crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
+    else:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("chart", [OPERATOR_CHART, CRDS_CHART])
+def test_chart_lints_clean(repo: Path, chart: str) -> None:
+    report = helm.lint(repo / chart, strict=True)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+VALUE_SETS: dict[str, Obj] = {
+    "defaults": {},
+    "namespaced-ha": {"replicaCount": 2, "watchNamespaces": ["team-a", "team-b"],
+                      "imagePullSecrets": [{"name": "regcred"}], "verbose": True},
+    "cluster-ha": {"replicaCount": 3, "metrics": {"service": {"enabled": False}}},
+}
+
+
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+def test_operator_chart_renders_valid_objects(repo: Path, values: Obj) -> None:
+    docs = _render_chart(repo, OPERATOR_CHART, values)
+    assert docs
+    for d in docs:
+        _validate(d)
+    kinds = [d["kind"] for d in docs]
+    assert kinds.count("Deployment") == 1
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in c["env"]}
+    assert c["args"] == ["operator"] and c["image"] == "mooncake-k8s:0.1.0"
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    ha = values.get("replicaCount", 1) > 1
+    assert ("MOONCAKE_OPERATOR_PEERING" in env) is ha
+    assert dep["spec"]["strategy"]["type"] == ("RollingUpdate" if ha else "Recreate")
+    ns = values.get("watchNamespaces", [])
+    if ns:
+        assert env["MOONCAKE_OPERATOR_NAMESPACES"]["value"] == " ".join(ns)
+        assert "ClusterRole" not in kinds and "ClusterRoleBinding" not in kinds
+        assert sorted(d["metadata"]["namespace"] for d in docs if d["kind"] == "Role") == ns
+        assert sorted(d["metadata"]["namespace"] for d in docs
+                      if d["kind"] == "KopfPeering") == ns
+    else:
+        assert "MOONCAKE_OPERATOR_NAMESPACES" not in env
+        assert kinds.count("ClusterRole") == 1 and "Role" not in kinds
+        assert kinds.count("ClusterKopfPeering") == (1 if ha else 0)
+    enabled = values.get("metrics", {}).get("service", {}).get("enabled", True)
+    assert ("Service" in kinds) is enabled
+
+
+def _rules(docs: list[Obj]) -> list[Obj]:
+    return [r for d in docs if d["kind"] in ("ClusterRole", "Role") for r in d["rules"]]
+
+
+def _allowed(rules: list[Obj], group: str, resource: str, verb: str) -> bool:
+    return any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"]
+               for r in rules)
+
+
+def test_rbac_is_least_privilege_and_sufficient(repo: Path, examples: dict[str, Obj]) -> None:
+    rules = _rules(_render_chart(repo, OPERATOR_CHART))
+    for r in rules:
+        assert "*" not in r["verbs"] and "*" not in r["resources"] and "*" not in r["apiGroups"]
+        assert "delete" not in r["verbs"]  # children go through ownerReferences and GC
+    # Secrets: the generated token only; never list or watch every Secret in a namespace.
+    secrets = [r for r in rules if "secrets" in r["resources"]]
+    assert secrets == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]}]
+    # Server-side apply of every rendered kind needs create and patch; status needs list.
+    plural = {"ConfigMap": "configmaps", "Service": "services", "StatefulSet": "statefulsets",
+              "Deployment": "deployments", "PodDisruptionBudget": "poddisruptionbudgets",
+              "NetworkPolicy": "networkpolicies", "MooncakeRoleScaler": "mooncakerolescalers"}
+    for o in render(validate_cluster(examples["gpu-rdma"])).objects:
+        group = o["apiVersion"].rpartition("/")[0]
+        for verb in ("create", "patch", "get", "list"):
+            assert _allowed(rules, group, plural[o["kind"]], verb), (o["kind"], verb)
+    for res, verb in (("mooncakeclusters", "watch"), ("mooncakeclusters/status", "patch"),
+                      ("mooncakerolescalers/scale", "patch"),
+                      ("mooncakerolescalers/status", "patch")):
+        assert _allowed(rules, "mooncake.io", res, verb)
+    assert _allowed(rules, "", "pods", "list") and _allowed(rules, "", "events", "create")
+
+
+def test_values_schema_rejects_bad_values(repo: Path) -> None:
+    chart = helm.Chart.load(repo / OPERATOR_CHART)
+    chart.validate_schema({})
+    for bad in ({"replicaCount": 0}, {"watchNamespaces": ["Not_A_Namespace"]},
+                {"image": {"repository": "x", "pullPolicy": "Sometimes"}}, {"replicas": 2}):
+        with pytest.raises(helm.HelmError):
+            chart.validate_schema(bad)
+
+
+def test_crd_chart_matches_the_schema_module(repo: Path) -> None:
+    docs = _render_chart(repo, CRDS_CHART)
+    expected = [crds.chart_crd(c) for c in crds.all_crds().values()]
+    key = lambda d: d["metadata"]["name"]  # noqa: E731
+    assert sorted(docs, key=key) == sorted(expected, key=key)
+    for d in docs:
+        assert d["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+
+
+def test_checked_in_crds_are_in_sync(repo: Path) -> None:
+    """Fails when operator/schema.py changed without `mooncake crds --write .`."""
+    files = crds.rendered_files(repo)
+    stale = [str(p.relative_to(repo)) for p, text in files.items()
+             if not p.exists() or p.read_text() != text]
+    assert stale == [], f"regenerate with `mooncake crds --write .`: {stale}"
+    on_disk = {p for p in (repo / "crds").glob("*.yaml")}
+    assert on_disk == {p for p in files if p.parent.name == "crds"}
+    for p in on_disk:
+        doc = yaml.safe_load(p.read_text())
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        assert "{{" not in p.read_text()  # also a Helm template: must not look like one
+
+
+def test_crds_command_prints_every_crd() -> None:
+    res = CliRunner().invoke(main, ["crds"])
+    assert res.exit_code == 0, res.output
+    names = [d["metadata"]["name"] for d in yaml.safe_load_all(res.output)]
+    assert names == ["mooncakeclusters.mooncake.io", "mooncakerolescalers.mooncake.io",
+                     "kopfpeerings.kopf.dev", "clusterkopfpeerings.kopf.dev"]
+
+
+def test_operator_help_exits_zero() -> None:
+    res = CliRunner().invoke(main, ["operator", "--help"])
+    assert res.exit_code == 0
+    assert "--namespace" in res.output and "MOONCAKE_OPERATOR_NAMESPACES" in res.output
+
+
+# ---- Dockerfile (static: no base image can be pulled where these tests run)
+
+
+def _instructions(text: str) -> list[tuple[str, str]]:
+    joined = re.sub(r"\\\n", " ", text)
+    out = []
+    for line in joined.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            op, _, rest = line.partition(" ")
+            out.append((op.upper(), rest.strip()))
+    return out
+
+
+def test_dockerfile_is_multistage_non_root_and_runs_the_cli(repo: Path) -> None:
+    ins = _instructions((repo / "Dockerfile").read_text())
+    froms = [rest for op, rest in ins if op == "FROM"]
+    assert len(froms) >= 2 and froms[0].endswith("AS build")
+    final = ins[max(i for i, (op, _) in enumerate(ins) if op == "FROM"):]
+    users = [rest for op, rest in final if op == "USER"]
+    assert users and users[-1].split(":")[0] not in ("0", "root")
+    assert ("ENTRYPOINT", '["mooncake"]') in final
+    assert any(op == "COPY" and rest.startswith("--from=build") for op, rest in final)
+    assert not any(op == "ADD" for op, _ in ins)  # no remote fetches outside package managers
+    # Everything the build copies exists and is not excluded by .dockerignore.
+    ignored = {ln.strip() for ln in (repo / ".dockerignore").read_text().splitlines()
+               if ln.strip() and not ln.startswith("#")}
+    for op, rest in ins:
+        if op == "COPY" and not rest.startswith("--from"):
+            for src in rest.split()[:-1]:
+                assert (repo / src).exists(), src
+                assert src.rstrip("/").lstrip("./") not in ignored, src
+    assert {".git", ".venv", "tests"} <= ignored
