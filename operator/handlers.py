@@ -172,7 +172,7 @@ def build_registry(config: rc.OperatorConfig, login: Login = _default_login,
                 rendered = render.render(cluster, reps.effective)
             new = status.aggregate(cluster, rendered, observed, _now())
             scalers = await rc.read_scalers(runtime.client, ns, meta["name"])
-            await rc.publish_scaler_status(runtime, cluster, rendered, new, scalers)
+            await rc.publish_scaler_status(runtime, cluster, new, scalers)
         except render.SpecError:
             return  # reported by the change handlers; nothing to sync until the spec changes
         except ApiError as e:

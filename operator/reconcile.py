@@ -259,8 +259,8 @@ async def autoscale(runtime: Runtime, cluster: Obj, observed: status.Observed,
     return decision
 
 
-async def publish_scaler_status(runtime: Runtime, cluster: Obj, rendered: render.Rendered,
-                                st: Obj, scalers: Mapping[str, Obj]) -> None:
+async def publish_scaler_status(runtime: Runtime, cluster: Obj, st: Obj,
+                                scalers: Mapping[str, Obj]) -> None:
     """What HPA reads: the role's pod count and label selector (status.selector)."""
     meta = cluster["metadata"]
     ns = meta.get("namespace") or "default"

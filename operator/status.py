@@ -18,7 +18,7 @@ from typing import Any
 
 from mooncake_k8s.operator import naming
 from mooncake_k8s.operator.metrics import StoreUsage
-from mooncake_k8s.operator.render import STATEFUL_ROLES, Rendered
+from mooncake_k8s.operator.render import Rendered
 from mooncake_k8s.operator.schema import DATA_ROLES, ROLES
 
 Obj = dict[str, Any]
@@ -230,7 +230,3 @@ def _store(spec: Obj, rendered: Rendered, usage: StoreUsage | None) -> Obj:
     if "ssd" in spec["store"]:
         per_node += naming.parse_bytes(spec["store"]["ssd"]["size"]) * 95 // 100
     return {"capacityBytes": per_node * rendered.replicas["store"]}
-
-
-def is_stateful(role: str) -> bool:
-    return role in STATEFUL_ROLES

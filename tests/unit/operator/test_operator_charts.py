@@ -203,3 +203,23 @@ def test_dockerfile_is_multistage_non_root_and_runs_the_cli(repo: Path) -> None:
                 assert (repo / src).exists(), src
                 assert src.rstrip("/").lstrip("./") not in ignored, src
     assert {".git", ".venv", "tests"} <= ignored
+
+
+PURE = ("schema", "naming", "pods", "render", "validation", "metrics", "status", "autoscaler",
+        "crds", "rdma_probe")
+
+
+@pytest.mark.parametrize("module", PURE)
+def test_pure_layer_imports_no_io(repo: Path, module: str) -> None:
+    import ast
+
+    tree = ast.parse((repo / "operator" / f"{module}.py").read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
+                for a in n.names}
+    imported |= {n.module.split(".")[0] for n in ast.walk(tree)
+                 if isinstance(n, ast.ImportFrom) and n.module}
+    local = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+             and n.module.startswith("mooncake_k8s.operator")}
+    assert not imported & {"kopf", "aiohttp", "kubernetes", "kr8s", "lightkube", "requests"}
+    assert not local & {"mooncake_k8s.operator.kube", "mooncake_k8s.operator.reconcile",
+                        "mooncake_k8s.operator.handlers"}

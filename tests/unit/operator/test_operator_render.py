@@ -19,9 +19,10 @@ from click.testing import CliRunner
 
 from mooncake_k8s.cli import main
 from mooncake_k8s.operator import naming
+from mooncake_k8s.operator import schema as validation_schema
 from mooncake_k8s.operator.render import Rendered, SpecError, render
 from mooncake_k8s.operator.schema import DATA_ROLES, ROLES
-from mooncake_k8s.operator.validation import validate_cluster
+from mooncake_k8s.operator.validation import validate, validate_cluster
 
 Obj = dict[str, Any]
 GOLDEN = Path(__file__).parent / "golden"
@@ -59,18 +60,18 @@ def test_render_cli_matches_golden(repo: Path, stem: str) -> None:
     assert result.output == golden.read_text()
 
 
-@pytest.mark.parametrize("stem", ["laptop-cpu", "gpu-rdma"])
-def test_every_rendered_object_validates_against_kubernetes_schemas(
-        examples: dict[str, Obj], stem: str) -> None:
-    r = render(validate_cluster(examples[stem]))
-    kinds = set()
-    for obj in r.objects:
-        if obj["kind"] == "MooncakeRoleScaler":
-            continue  # our own CRD: covered by the schema tests
-        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
-        kinds.add(obj["kind"])
-    assert kinds == {"ConfigMap", "Service", "StatefulSet", "Deployment",
-                     "PodDisruptionBudget", "NetworkPolicy"}
+def test_every_example_renders_objects_valid_for_kubernetes(examples: dict[str, Obj]) -> None:
+    scaler = validation_schema.scaler_schema()
+    for stem, doc in examples.items():
+        kinds = set()
+        for obj in render(validate_cluster(doc)).objects:
+            if obj["kind"] == "MooncakeRoleScaler":
+                validate(scaler, obj)  # our own CRD
+            else:
+                kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+            kinds.add(obj["kind"])
+        assert kinds == {"ConfigMap", "Service", "StatefulSet", "Deployment",
+                         "PodDisruptionBudget", "NetworkPolicy", "MooncakeRoleScaler"}, stem
 
 
 def test_render_is_deterministic_and_pure(examples: dict[str, Obj]) -> None:
