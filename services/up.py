@@ -85,8 +85,10 @@ class LocalCluster:
     def _model_args(self) -> list[str]:
         c = self.config
         args = ["--block-tokens", str(c.block_tokens)]
+        # Engines share the host's cores: more threads than cores per process only thrash.
+        threads = c.threads or max(1, (os.cpu_count() or 1) // (c.prefill + c.decode))
         for flag, value in (("--model", c.model), ("--served-model-name", c.served_model_name),
-                            ("--device", c.device), ("--threads", c.threads)):
+                            ("--device", c.device), ("--threads", threads)):
             if value is not None:
                 args += [flag, str(value)]
         return args

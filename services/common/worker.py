@@ -118,6 +118,7 @@ class Worker:
         t0 = time.monotonic()
         try:
             engine = load_engine(self.config.engine, progress=False)
+            self.engine = engine  # before the hook: the engine threads it starts read it
             self.on_engine_loaded(engine)
         except Exception as e:
             self.engine_error = f"{type(e).__name__}: {e}"

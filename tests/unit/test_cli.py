@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from mooncake_k8s.cli import main, parse_size
+from mooncake_k8s.cli import main
+from mooncake_k8s.cliopts import parse_size
 
 
 @pytest.mark.parametrize(
