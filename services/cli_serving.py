@@ -147,7 +147,8 @@ _sched_opts = [
                  type=click.Choice(SCHED_POLICIES), help="Scheduling policy."),
     click.option("--cost-model", envvar="MOONCAKE_COST_MODEL", default=None, show_envvar=True,
                  help="Cost model from `mooncake calibrate` (a .json/.yaml file) or a shipped "
-                      "profile name [default: llama3-70b-a800x8]."),
+                      "profile name [default: smollm2-135m-cpu for the built-in model on a "
+                      "CPU, else llama3-70b-a800x8]."),
     click.option("--ttft-slo-ms", envvar="MOONCAKE_TTFT_SLO_MS", default=None,
                  show_envvar=True, type=click.FloatRange(min=0, min_open=True),
                  help="Refuse (429) requests predicted to miss this time to first token."),

@@ -32,6 +32,9 @@ import numpy as np
 
 PATHS = ("local", "pool", "ssd", "decode")
 DEFAULT_PROFILE = "llama3-70b-a800x8"
+BUILTIN_CPU_PROFILE = "smollm2-135m-cpu"
+"""Measured with `mooncake calibrate` on `mooncake up` serving the built-in SmolLM2-135M on a
+CPU; the Conductor's default when it serves that model on a CPU (`default_profile`)."""
 
 
 class CostModelError(ValueError):
@@ -169,6 +172,22 @@ def profiles() -> list[str]:
     """Names of the profiles shipped with the package."""
     root = resources.files("mooncake_k8s.conductor") / "profiles"
     return sorted(e.name.rsplit(".", 1)[0] for e in root.iterdir() if e.name.endswith(".json"))
+
+
+def default_profile(model: str | None, device: str | None) -> str:
+    """The shipped profile for a deployment when no cost model is given: the built-in model
+    (`model` None) on a CPU gets its measured CPU profile; anything else the paper's
+    LLaMA3-70B profile. `device` None means CUDA when torch sees one (as the engine picks)."""
+    if model is not None:
+        return DEFAULT_PROFILE
+    if device is None:
+        try:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        except ImportError:
+            device = "cpu"
+    return BUILTIN_CPU_PROFILE if device == "cpu" else DEFAULT_PROFILE
 
 
 def load(spec: str | Path | None = None) -> CostModel:

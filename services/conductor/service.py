@@ -44,7 +44,9 @@ class ConductorConfig:
     policy: str = "global_cache_aware"
     """Scheduling policy (`policies.POLICIES`)."""
     cost_model: str | None = None
-    """A cost model file (`mooncake calibrate`) or shipped profile; None = the default."""
+    """A cost model file (`mooncake calibrate`) or shipped profile; None = the default for the
+    model served (`costmodel.default_profile`: the measured CPU profile for the built-in model
+    on a CPU, else the paper's LLaMA3-70B one)."""
     ttft_slo_ms: float | None = None
     tbt_slo_ms: float | None = None
     """With either set, requests predicted to miss it are refused up front (429)."""
@@ -65,7 +67,8 @@ class Conductor:
         self.index = KVIndex()
         self.scheduler = Scheduler(SchedulerConfig(
             policy=config.policy, admission=AdmissionConfig(slo) if slo.active else None,
-        ), costmodel.load(config.cost_model), self.index)
+        ), costmodel.load(config.cost_model or costmodel.default_profile(
+            config.engine.model, config.engine.device)), self.index)
         self.router = MooncakeRouter(self.scheduler, self.store, self.metrics)
         self._feeder: IndexFeeder | None = None
         self.frontend = Frontend(
