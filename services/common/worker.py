@@ -15,16 +15,16 @@ import signal
 import socket
 import threading
 import time
-from concurrent import futures
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Gauge
 
-from mooncake_k8s.common import auth
 from mooncake_k8s.common.health import HealthServer
 from mooncake_k8s.common.rpc import serving_pb2 as pb
+from mooncake_k8s.common.rpcserver import start_server
 from mooncake_k8s.store.client import StoreClient
 
 if TYPE_CHECKING:
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-_MAX_MSG = 64 << 20
 
 
 @dataclass
@@ -85,25 +84,21 @@ class Worker:
     def handlers(self) -> grpc.GenericRpcHandler:  # type: ignore[type-arg]
         raise NotImplementedError
 
+    @staticmethod
+    def load_handler(report: Callable[[], pb.LoadReport]) -> Any:
+        """The `Load` RPC both roles serve: the Conductor polls it to route."""
+        return grpc.unary_unary_rpc_method_handler(
+            lambda _r, _c: report(), request_deserializer=pb.LoadRequest.FromString,
+            response_serializer=pb.LoadReport.SerializeToString)
+
     def on_engine_loaded(self, engine: Engine) -> None:
         """Hook for subclasses: start their engine thread."""
 
     def start(self) -> None:
         cfg = self.config
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix=self.role),
-            interceptors=[auth.TokenInterceptor(cfg.token)],
-            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", _MAX_MSG),
-                     ("grpc.max_send_message_length", _MAX_MSG)],
+        server, self.port = start_server(
+            self.role, cfg.host, cfg.port, cfg.token, cfg.workers, self.handlers()
         )
-        server.add_generic_rpc_handlers((self.handlers(),))
-        target = f"[{cfg.host}]:{cfg.port}" if ":" in cfg.host else f"{cfg.host}:{cfg.port}"
-        try:
-            port = server.add_insecure_port(target)
-        except RuntimeError as e:
-            raise OSError(f"cannot bind the {self.role} server to {target}: {e}") from e
-        self.port = port
-        server.start()
         self._server = server
         if cfg.metrics_port is not None and cfg.metrics_port >= 0:
             self._health = HealthServer(

@@ -99,9 +99,7 @@ class DecodeService(Worker):
             "Decode": grpc.unary_stream_rpc_method_handler(
                 self.decode, request_deserializer=pb.DecodeRequest.FromString,
                 response_serializer=pb.DecodeChunk.SerializeToString),
-            "Load": grpc.unary_unary_rpc_method_handler(
-                lambda _r, _c: self.report(), request_deserializer=pb.LoadRequest.FromString,
-                response_serializer=pb.LoadReport.SerializeToString),
+            "Load": self.load_handler(self.report),
         })
 
     def report(self) -> pb.LoadReport:

@@ -78,9 +78,7 @@ class PrefillService(Worker):
             "Prefill": grpc.unary_unary_rpc_method_handler(
                 self.prefill, request_deserializer=pb.PrefillRequest.FromString,
                 response_serializer=pb.PrefillResponse.SerializeToString),
-            "Load": grpc.unary_unary_rpc_method_handler(
-                lambda _r, _c: self.report(), request_deserializer=pb.LoadRequest.FromString,
-                response_serializer=pb.LoadReport.SerializeToString),
+            "Load": self.load_handler(self.report),
         })
 
     def report(self) -> pb.LoadReport:

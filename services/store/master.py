@@ -15,7 +15,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +23,6 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from mooncake_k8s.common.auth import TokenInterceptor
 from mooncake_k8s.common.errors import (
     InvalidArgument,
     NoSpace,
@@ -33,12 +31,12 @@ from mooncake_k8s.common.errors import (
 )
 from mooncake_k8s.common.metrics import LATENCY_BUCKETS, serve_metrics
 from mooncake_k8s.common.rpc import store_pb2 as pb
+from mooncake_k8s.common.rpcserver import start_server
 from mooncake_k8s.store.metadata import Lookup, MasterState, PutNotFound, UnknownNode
 
 log = logging.getLogger(__name__)
 
 SERVICE = "mooncake.store.v1.Master"
-_MAX_MSG = 64 << 20
 _TIER_NAMES: dict[int, str] = {pb.DRAM: "dram", pb.SSD: "ssd"}
 
 
@@ -358,26 +356,9 @@ class MasterServer:
 
     def start(self) -> None:
         cfg = self.config
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="master-rpc"),
-            interceptors=[TokenInterceptor(cfg.token)],
-            options=[
-                ("grpc.so_reuseport", 0),
-                ("grpc.max_receive_message_length", _MAX_MSG),
-                ("grpc.max_send_message_length", _MAX_MSG),
-            ],
-            maximum_concurrent_rpcs=None,
+        server, self.port = start_server(
+            "master", cfg.host, cfg.port, cfg.token, cfg.workers, self._generic_handler()
         )
-        server.add_generic_rpc_handlers((self._generic_handler(),))
-        target = f"[{cfg.host}]:{cfg.port}" if ":" in cfg.host else f"{cfg.host}:{cfg.port}"
-        try:
-            port = server.add_insecure_port(target)
-        except RuntimeError as e:
-            raise OSError(f"cannot bind the master to {target}: {e}") from e
-        if not port:
-            raise OSError(f"cannot bind the master to {target}")
-        self.port = port
-        server.start()
         self._server = server
         self._ticker = threading.Thread(target=self._tick_loop, name="master-tick", daemon=True)
         self._ticker.start()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from mooncake_k8s.common.checksum import copy_with_checksum
 from mooncake_k8s.common.errors import TransferError
@@ -56,27 +57,24 @@ class ShmTransport:
         return out
 
     def read(self, ops: Sequence[ReadOp], with_checksum: bool = False) -> list[int] | None:
-        segs = self.prepare(op.segment for op in ops)
-        sums: list[int] | None = [] if with_checksum else None
-        for op in ops:
-            dst = as_view(op.dst, True)
-            n = len(dst)
-            check_range(op.segment, op.offset, n)
-            src = segs[op.segment.path].buf[op.offset : op.offset + n]
-            if sums is None:
-                dst[:] = src
-            else:
-                sums.append(copy_with_checksum(dst, src))
-        return sums
+        return self._copy([(op.segment, op.offset, op.dst) for op in ops], True, with_checksum)
 
     def write(self, ops: Sequence[WriteOp], with_checksum: bool = False) -> list[int] | None:
-        segs = self.prepare(op.segment for op in ops)
+        return self._copy([(op.segment, op.offset, op.src) for op in ops], False, with_checksum)
+
+    def _copy(
+        self, ops: Sequence[tuple[SegmentDesc, int, Any]], into_caller: bool, with_checksum: bool
+    ) -> list[int] | None:
+        """One memcpy per op between a caller buffer and mapped segment memory; the direction
+        is the only difference between a read and a write."""
+        segs = self.prepare(seg for seg, _, _ in ops)
         sums: list[int] | None = [] if with_checksum else None
-        for op in ops:
-            src = as_view(op.src, False)
-            n = len(src)
-            check_range(op.segment, op.offset, n)
-            dst = segs[op.segment.path].buf[op.offset : op.offset + n]
+        for seg, offset, buf in ops:
+            view = as_view(buf, into_caller)
+            n = len(view)
+            check_range(seg, offset, n)
+            mapped = segs[seg.path].buf[offset : offset + n]
+            dst, src = (view, mapped) if into_caller else (mapped, view)
             if sums is None:
                 dst[:] = src
             else:
