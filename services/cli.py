@@ -63,7 +63,8 @@ def store() -> None:
               help="A node silent this long is dead; its replicas are dropped.")
 @click.option("--max-object-size", envvar="MOONCAKE_MAX_OBJECT_SIZE", default="1GiB",
               show_default=True, show_envvar=True, type=SIZE)
-@click.option("--allow-any-address", is_flag=True, help="Permit binding 0.0.0.0.")
+@click.option("--allow-any-address", is_flag=True,
+              help="Permit binding every interface (0.0.0.0, :: in any spelling).")
 @_with_logs
 def store_master(
     host: str, port: int, metrics_port: int, token: str, high_watermark: float,
@@ -71,7 +72,7 @@ def store_master(
     max_object_size: int, allow_any_address: bool, log_level: str, log_format: str,
 ) -> None:
     """Run the store master (metadata, allocation, leases, eviction; never in the data path)."""
-    _check_bind(host, allow_any_address)
+    host = _check_bind(host, allow_any_address)
     if low_watermark >= high_watermark:
         raise click.BadParameter("must be below --high-watermark", param_hint="--low-watermark")
     from mooncake_k8s.common.logs import setup_logging
@@ -113,7 +114,8 @@ def store_master(
               show_default=True, show_envvar=True, type=click.IntRange(-1, 65535),
               help="Prometheus /metrics port; 0 = any free port, -1 = off.")
 @_token_opt
-@click.option("--allow-any-address", is_flag=True, help="Permit binding 0.0.0.0.")
+@click.option("--allow-any-address", is_flag=True,
+              help="Permit binding every interface (0.0.0.0, :: in any spelling).")
 @_with_logs
 def store_node(
     master: str, node_id: str | None, host: str, port: int, advertise_host: str | None,
@@ -121,7 +123,7 @@ def store_node(
     token: str, allow_any_address: bool, log_level: str, log_format: str,
 ) -> None:
     """Run a storage node that serves DRAM (and optional SSD) segments to the transfer engine."""
-    _check_bind(host, allow_any_address)
+    host = _check_bind(host, allow_any_address)
     if dram_size < 1 << 20:
         raise click.BadParameter("at least 1MiB", param_hint="--dram-size")
     if ssd_size and not ssd_dir:
