@@ -26,13 +26,11 @@ import contextlib
 import heapq
 import itertools
 import logging
-import re
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
 from mooncake_k8s.common.errors import (
     InvalidArgument,
@@ -41,23 +39,32 @@ from mooncake_k8s.common.errors import (
     StoreError,
 )
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.store.allocator import SegmentAllocator
 from mooncake_k8s.store.events import EventHub, Subscription
+from mooncake_k8s.store.records import (
+    DRAM,
+    MISS,
+    SSD,
+    Copy,
+    Lease,
+    Lookup,
+    Node,
+    Obj,
+    Pending,
+    Rep,
+    Segment,
+    check_key,
+    encode_obj,
+    rep_pb,
+)
 
 log = logging.getLogger(__name__)
 
-DRAM: int = pb.DRAM
-SSD: int = pb.SSD
-MAX_KEY_BYTES = 512
 MAX_REPLICAS = 8
 MAX_LEASE_MS = 60_000
 #: Measured with tracemalloc over 100k committed single-replica objects with 32-char keys:
 #: ~505 B of records + the key, ~150 B more once a lookup caches the encoded replica list.
 BYTES_PER_OBJECT = 650
 BYTES_PER_EXTRA_REPLICA = 200
-
-_CTRL = re.compile(r"[\x00-\x1f\x7f]")
-_MISS = b"\x0a\x00"  # GetReplicasResponse.objects entry for ObjectReplicas(found=False)
 
 _EV = pb.BlockEvent
 _CMD = pb.NodeCommand
@@ -69,167 +76,6 @@ class PutNotFound(StoreError, LookupError):
 
 class UnknownNode(StoreError, LookupError):
     """The node is not registered with this master (it restarted, or the node timed out)."""
-
-
-# -- records (slots keep the per-object footprint small) ------------------------------------
-
-
-class Node:
-    __slots__ = ("address", "alive", "commands", "host_id", "last_seen", "node_id", "segments",
-                 "stream")
-
-    def __init__(self, node_id: str, address: str, host_id: str, now: float) -> None:
-        self.node_id = node_id
-        self.address = address
-        self.host_id = host_id
-        self.last_seen = now
-        self.segments: list[Segment] = []
-        self.commands: deque[pb.NodeCommand] = deque()
-        self.stream = 0
-        self.alive = True
-
-
-class Segment:
-    __slots__ = ("alive", "alloc", "lru", "name", "node", "path", "size", "spilling", "tier")
-
-    def __init__(self, node: Node, info: pb.SegmentInfo) -> None:
-        self.node = node
-        self.name: str = info.name
-        self.tier: int = info.tier
-        self.size: int = info.size
-        self.path: str = info.path
-        self.alloc = SegmentAllocator(info.size)
-        self.lru: OrderedDict[str, Obj] = OrderedDict()  # committed objects here, LRU first
-        self.spilling = 0  # bytes of replicas being copied away (freed when the copy is done)
-        self.alive = True
-
-    def fill(self) -> float:
-        return self.alloc.used / self.alloc.capacity if self.alloc.capacity else 1.0
-
-
-class Rep:
-    __slots__ = ("offset", "seg")
-
-    def __init__(self, seg: Segment, offset: int) -> None:
-        self.seg = seg
-        self.offset = offset
-
-
-class Obj:
-    __slots__ = ("checksum", "copying", "hidden", "key", "leases", "mixed_hosts", "pinned",
-                 "reps", "size", "ssd_only", "wire")
-
-    def __init__(self, key: str, size: int, checksum: int, reps: list[Rep]) -> None:
-        self.key = key
-        self.size = size
-        self.checksum = checksum
-        self.reps = reps
-        self.pinned = False
-        self.leases = 0
-        self.hidden = False
-        self.copying = False
-        self.ssd_only = False
-        self.mixed_hosts = False
-        self.wire: bytes | None = None  # cached encoded GetReplicasResponse.objects entry
-
-
-class Pending:
-    __slots__ = ("deadline", "key", "put_id", "reps", "size")
-
-    def __init__(self, put_id: int, key: str, size: int, reps: list[Rep], deadline: float) -> None:
-        self.put_id = put_id
-        self.key = key
-        self.size = size
-        self.reps = reps
-        self.deadline = deadline
-
-
-class Lease:
-    __slots__ = ("expires", "lease_id", "objs")
-
-    def __init__(self, lease_id: int, expires: float, objs: list[Obj]) -> None:
-        self.lease_id = lease_id
-        self.expires = expires
-        self.objs = objs
-
-
-class Copy:
-    __slots__ = ("cmd_id", "deadline", "dst", "kind", "node", "obj", "src")
-
-    def __init__(
-        self, cmd_id: int, kind: str, obj: Obj, src: Rep, dst: Rep, deadline: float
-    ) -> None:
-        self.cmd_id = cmd_id
-        self.kind = kind  # "spill" | "promote"
-        self.obj = obj
-        self.src = src
-        self.dst = dst
-        self.node = src.seg.node
-        self.deadline = deadline
-
-
-@dataclass(slots=True)
-class Lookup:
-    """The answer to `get_replicas`, kept pre-encoded: `entries` are wire-format
-    `GetReplicasResponse.objects` fields, one per key, in request order."""
-
-    entries: list[bytes]
-    lease_id: int
-    lease_expires_unix_ms: int
-    found: int
-
-    def encode(self) -> bytes:
-        """The serialized GetReplicasResponse."""
-        tail = b""
-        if self.lease_id:
-            tail += b"\x10" + _varint(self.lease_id)
-        if self.lease_expires_unix_ms:
-            tail += b"\x18" + _varint(self.lease_expires_unix_ms)
-        return b"".join(self.entries) + tail
-
-    def response(self) -> pb.GetReplicasResponse:
-        return pb.GetReplicasResponse.FromString(self.encode())
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-def check_key(key: str) -> None:
-    if not key:
-        raise InvalidArgument("key is empty")
-    if len(key) > MAX_KEY_BYTES or len(key.encode()) > MAX_KEY_BYTES:
-        raise InvalidArgument(f"key is longer than {MAX_KEY_BYTES} bytes")
-    if _CTRL.search(key):
-        raise InvalidArgument("key contains control characters")
-
-
-def _rep_pb(r: Rep) -> pb.Replica:
-    seg = r.seg
-    node = seg.node
-    return pb.Replica(
-        node_id=node.node_id, address=node.address, host_id=node.host_id, segment=seg.name,
-        tier=seg.tier, offset=r.offset, segment_path=seg.path, segment_size=seg.size,  # type: ignore[arg-type]
-    )
-
-
-def _encode(obj: Obj, host_id: str = "") -> bytes:
-    reps = sorted(
-        obj.reps,
-        key=lambda r: (bool(host_id) and r.seg.node.host_id != host_id, r.seg.tier != DRAM),
-    )
-    body = pb.ObjectReplicas(
-        found=True, size=obj.size, checksum=obj.checksum, replicas=[_rep_pb(r) for r in reps]
-    ).SerializeToString()
-    return b"\x0a" + _varint(len(body)) + body
 
 
 class MasterState:
@@ -631,7 +477,7 @@ class MasterState:
                 put_id, key, size, reps, self._now() + self.put_timeout_s
             )
             self._pending_keys[key] = put_id
-            return pb.PutStartResponse(put_id=put_id, replicas=[_rep_pb(r) for r in reps])
+            return pb.PutStartResponse(put_id=put_id, replicas=[rep_pb(r) for r in reps])
 
     def _place(
         self, size: int, n: int, placement: int, preferred: str, host_id: str
@@ -815,14 +661,14 @@ class MasterState:
             for key in keys:
                 obj = get(key)
                 if obj is None:
-                    add(_MISS)
+                    add(MISS)
                     continue
                 wire = obj.wire
                 if wire is None:
-                    wire = obj.wire = _encode(obj)
+                    wire = obj.wire = encode_obj(obj)
                     obj.mixed_hosts = len({r.seg.node.host_id for r in obj.reps}) > 1
                 if obj.mixed_hosts and client_host_id:
-                    wire = _encode(obj, client_host_id)
+                    wire = encode_obj(obj, client_host_id)
                 add(wire)
                 for rep in obj.reps:
                     rep.seg.lru.move_to_end(key)
