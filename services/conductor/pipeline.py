@@ -137,9 +137,7 @@ class Pipeline:
             with tracing.span("conductor.prefill", instance=inst.instance_id, attempt=attempt):
                 req = pb.PrefillRequest(
                     request_id=f"{gen.request_id}-{attempt}", token_ids=gen.token_ids,
-                    tenant=gen.tenant, sampling=gen.sampling,
-                    decode_segment=route.decode.report.local_segment if route.decode.report
-                    else "",
+                    tenant=gen.tenant, sampling=gen.sampling, plan=route.plan(),
                     use_prefix_cache=gen.use_prefix_cache, trace_context=tracing.inject(),
                 )
                 resp: pb.PrefillResponse = await inst.call("Prefill")(
@@ -158,7 +156,8 @@ class Pipeline:
                 req = pb.DecodeRequest(
                     request_id=gen.request_id, token_ids=gen.token_ids, tenant=gen.tenant,
                     first_token=first_token, sampling=gen.sampling, tail_key=tail_key,
-                    trace_context=tracing.inject(),
+                    trace_context=tracing.inject(), block_keys=route.keys,
+                    namespace=route.namespace,
                 )
                 call = inst.call("Decode", stream=True)(req, metadata=self.decodes.metadata)
                 try:

@@ -332,10 +332,10 @@ class MooncakeRouter:
         first = prefills[0].report
         assert first is not None
         self.scheduler.block_tokens = first.block_tokens or self.scheduler.block_tokens
-        keys: list[str] = []
-        if req.use_prefix_cache and len(req.token_ids) >= self.scheduler.block_tokens:
-            keys = block_keys(namespace_of(prefills[0], req.tenant), req.token_ids)
-        demand = Demand(keys, len(req.token_ids), max(1, req.max_tokens),
+        ns = namespace_of(prefills[0], req.tenant)
+        keys = block_keys(ns, req.token_ids)  # once per request: they travel in the plan
+        demand = Demand(keys if req.use_prefix_cache else [], len(req.token_ids),
+                        max(1, req.max_tokens),
                         getattr(req, "priority", "interactive"))
         dec = self.scheduler.decide(demand, [self._prefill_view(p) for p in prefills],
                                     [self._decode_view(d) for d in decodes],
@@ -353,7 +353,8 @@ class MooncakeRouter:
             decode = pick_decode(decodes, prefill, len(req.token_ids) + req.max_tokens)
         if dec.replicate and dec.fetch_blocks:
             self._pin(keys[: dec.local_blocks + dec.fetch_blocks])
-        return Route(prefill, decode, dec.local_blocks + dec.fetch_blocks)
+        return Route(prefill, decode, dec.local_blocks + dec.fetch_blocks, tuple(keys),
+                     ns.digest().hex(), dec.local_blocks)
 
     def _pin(self, keys: list[str]) -> None:
         if self.store is None or not keys or keys[-1] in self._pinned:

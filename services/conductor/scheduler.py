@@ -18,6 +18,7 @@ from typing import Protocol
 
 from mooncake_k8s.common.blocks import KeyNamespace, block_keys
 from mooncake_k8s.common.errors import MooncakeError, StoreError
+from mooncake_k8s.common.rpc import serving_pb2 as pb
 from mooncake_k8s.conductor.instances import Instance
 from mooncake_k8s.store.client import StoreClient
 
@@ -43,6 +44,20 @@ class Route:
     decode: Instance
     cached_blocks: int
     """Leading blocks the store holds for this prompt when the route was chosen."""
+    keys: tuple[str, ...] = ()
+    """The prompt's full-block keys in the prefill engine's namespace (computed once, here)."""
+    namespace: str = ""
+    """Hex digest of that namespace; workers in another one recompute instead of trusting."""
+    local_blocks: int = 0
+    """Of `cached_blocks`, those the prefill instance holds itself (the rest it fetches)."""
+
+    def plan(self) -> pb.KVPlan:
+        """The decision as the prefill worker receives it."""
+        seg = self.decode.report.local_segment if self.decode.report else ""
+        local = min(self.local_blocks, self.cached_blocks)
+        return pb.KVPlan(block_keys=self.keys, namespace=self.namespace, local_blocks=local,
+                         fetch_blocks=self.cached_blocks - local, write_segment=seg,
+                         planned=bool(self.namespace))
 
 
 class Router(Protocol):
@@ -56,18 +71,16 @@ def namespace_of(inst: Instance, tenant: str) -> KeyNamespace:
     r = inst.report
     assert r is not None
     return KeyNamespace(model_fingerprint=r.model_fingerprint, dtype=r.dtype,
-                        block_tokens=r.block_tokens, tenant_salt=tenant)
+                        block_tokens=r.block_tokens, tenant_salt=tenant,
+                        kv_layout=r.kv_layout)
 
 
 class PrefixAwareRouter:
     def __init__(self, store: StoreClient | None) -> None:
         self.store = store
 
-    async def cached_blocks(self, req: RouteRequest, inst: Instance) -> int:
-        if self.store is None or not req.use_prefix_cache:
-            return 0
-        keys = block_keys(namespace_of(inst, req.tenant), req.token_ids)
-        if not keys:
+    async def cached_blocks(self, req: RouteRequest, keys: list[str]) -> int:
+        if self.store is None or not req.use_prefix_cache or not keys:
             return 0
         try:
             return await asyncio.to_thread(self.store.prefix_len, keys)
@@ -83,10 +96,12 @@ class PrefixAwareRouter:
             raise NoCapacity("no decode instance is ready")
         # One store, one namespace per model: every prefill instance sees the same prefix, so
         # one lookup serves them all. (Instance-local caches are the scheduler issue's job.)
-        cached = await self.cached_blocks(req, prefills[0])
         prefill = min(prefills, key=_prefill_load)
+        ns = namespace_of(prefill, req.tenant)
+        keys = block_keys(ns, req.token_ids)
+        cached = await self.cached_blocks(req, keys)
         decode = pick_decode(decodes, prefill, len(req.token_ids) + req.max_tokens)
-        return Route(prefill, decode, cached)
+        return Route(prefill, decode, cached, tuple(keys), ns.digest().hex())
 
 
 def _prefill_load(inst: Instance) -> tuple[int, str]:

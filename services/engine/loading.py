@@ -283,6 +283,20 @@ def _random_model(config: EngineConfig, device: torch.device, dtype: torch.dtype
     return LoadedModel(model.eval(), tokenizer, fp, name, device, dtype, _eos_ids(model, tokenizer))
 
 
+def model_source(config: EngineConfig, progress: bool = True) -> tuple[Path, bytes, str]:
+    """The model's Hugging Face directory (the built-in one converted on first use), its
+    fingerprint and served name: what any engine kind serves, named the same way."""
+    if config.model is None:
+        path, sha = ensure_builtin(progress)
+        return path, _fingerprint(b"gguf-sha256", sha.encode()), config.served_name or BUILTIN_NAME
+    path = Path(config.model).expanduser()
+    if not path.is_dir():
+        raise InvalidArgument(f"model directory {str(path)!r} does not exist")
+    if not (path / "config.json").is_file():
+        raise InvalidArgument(f"{path} has no config.json: not a Hugging Face model directory")
+    return path, fingerprint_dir(path), config.served_name or path.resolve().name
+
+
 def load_model(config: EngineConfig, progress: bool = True) -> LoadedModel:
     """Load the configured model onto its device in its dtype (see EngineConfig)."""
     tf = _transformers()
@@ -293,18 +307,7 @@ def load_model(config: EngineConfig, progress: bool = True) -> LoadedModel:
         torch.set_num_threads(config.threads)
     if config.random_weights:
         return _random_model(config, device, dtype)
-    if config.model is None:
-        path, sha = ensure_builtin(progress)
-        fp = _fingerprint(b"gguf-sha256", sha.encode())
-        name = config.served_name or BUILTIN_NAME
-    else:
-        path = Path(config.model).expanduser()
-        if not path.is_dir():
-            raise InvalidArgument(f"model directory {str(path)!r} does not exist")
-        if not (path / "config.json").is_file():
-            raise InvalidArgument(f"{path} has no config.json: not a Hugging Face model directory")
-        fp = fingerprint_dir(path)
-        name = config.served_name or path.resolve().name
+    path, fp, name = model_source(config, progress)
     try:
         _check_architecture(tf.AutoConfig.from_pretrained(path), str(path))
         tokenizer = _load_tokenizer(path)

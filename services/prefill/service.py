@@ -1,12 +1,13 @@
-"""The prefill service: import the cached prefix's KV, compute the rest, hand the KV on.
+"""The prefill service: follow the Conductor's KV plan, compute the rest, hand the KV on.
 
 One engine thread runs prefills first come, first served (prefill is compute-bound: two at once
 would only share the cores and both be late). The gRPC threads queue a job and wait for it,
 so the load report can say how many prompt tokens are ahead of a new request: the Conductor's
 queueing estimate.
 
-A cache miss costs time, never correctness: the store is asked which leading blocks exist, those
-are read and verified by the engine, and anything missing or corrupt is recomputed.
+The engine (any kind, `worker.api`) reads the blocks the plan names, verifies them and
+recomputes anything missing or corrupt: a cache miss costs time, never correctness. A plan made
+in another key namespace is not trusted (the keys are computed here instead, and counted).
 """
 
 from __future__ import annotations
@@ -20,24 +21,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
 
 from mooncake_k8s.common import tracing
-from mooncake_k8s.common.buffers import byte_view
-from mooncake_k8s.common.errors import InvalidArgument, MooncakeError, ObjectExists, StoreError
+from mooncake_k8s.common.errors import InvalidArgument, MooncakeError, StoreError
 from mooncake_k8s.common.metrics import LATENCY_BUCKETS
 from mooncake_k8s.common.rpc import serving_pb2 as pb
-from mooncake_k8s.common.worker import Worker, WorkerConfig, run_worker, sampling_from_pb
+from mooncake_k8s.worker.api import EngineFailed, PrefillWork, resolve_plan
+from mooncake_k8s.worker.base import Worker, WorkerConfig, run_worker
 
 log = logging.getLogger(__name__)
 
 SERVICE = "mooncake.serving.v1.Prefill"
-
-
-def tail_key(request_id: str) -> str:
-    """Store key of a request's partial last block: request-scoped, never a prefix block."""
-    return f"tail/{request_id}"
 
 
 @dataclass
@@ -57,7 +52,6 @@ class PrefillService(Worker):
         self._queued_tokens = 0
         self._queued_requests = 0
         self._qlock = threading.Lock()
-        self._staging = np.empty(0, dtype=np.uint8)
         r = self.registry
         self.m_requests = Counter("mooncake_prefill_requests_total", "Prefill requests",
                                   ["result"], registry=r)
@@ -69,6 +63,9 @@ class PrefillService(Worker):
                                    buckets=LATENCY_BUCKETS, registry=r)
         self.m_queue = Gauge("mooncake_prefill_queued_tokens", "Prompt tokens queued",
                              registry=r)
+        self.m_plans = Counter("mooncake_prefill_plans_total",
+                               "Conductor plans: followed, or not trusted (keys recomputed)",
+                               ["outcome"], registry=r)
 
     def on_engine_loaded(self, engine: Any) -> None:
         threading.Thread(target=self._run, name="prefill-engine", daemon=True).start()
@@ -99,10 +96,10 @@ class PrefillService(Worker):
         try:
             if not req.token_ids:
                 ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty prompt")
-            if len(req.token_ids) > engine.max_context:
+            if len(req.token_ids) > engine.info.max_context:
                 ctx.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"prompt of {len(req.token_ids)} tokens exceeds the model's context "
-                          f"of {engine.max_context}")
+                          f"of {engine.info.max_context}")
             job = _Job(req, dict(req.trace_context))
             with self._qlock:
                 self._queued_tokens += len(req.token_ids)
@@ -117,6 +114,9 @@ class PrefillService(Worker):
             except StoreError as e:
                 self.m_requests.labels("store_error").inc()
                 ctx.abort(grpc.StatusCode.UNAVAILABLE, f"KV handoff failed: {e}")
+            except EngineFailed as e:
+                self.m_requests.labels("engine_failed").inc()
+                ctx.abort(grpc.StatusCode.UNAVAILABLE, f"prefill engine failed: {e}")
             except Exception as e:
                 self.m_requests.labels("error").inc()
                 ctx.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {type(e).__name__}: {e}")
@@ -144,98 +144,39 @@ class PrefillService(Worker):
                     self._queued_requests -= 1
                     self.m_queue.set(self._queued_tokens)
 
-    def _staging_views(self, n: int, size: int) -> list[memoryview]:
-        """Views over one grow-only buffer: the engine copies imported KV out before returning,
-        so a single prefill at a time can reuse it and never pays for fresh pages."""
-        if self._staging.nbytes < n * size:
-            self._staging = np.empty(n * size, dtype=np.uint8)
-        mv = byte_view(self._staging, writable=True)
-        return [mv[i * size:(i + 1) * size] for i in range(n)]
-
     def _execute(self, job: _Job) -> pb.PrefillResponse:
-        assert self.engine is not None
         engine = self.engine
         req = job.request
         started = time.monotonic()
         tokens = list(req.token_ids)
-        sampling = sampling_from_pb(req.sampling)
         with tracing.span("prefill", job.trace, request_id=req.request_id,
                           prompt_tokens=len(tokens)) as sp:
-            keys = engine.block_keys(tokens, req.tenant)
-            imported: list[memoryview] = []
-            with tracing.span("prefill.load_kv"):
-                if req.use_prefix_cache and keys:
-                    imported = self._load_prefix(keys, engine.layout.block_bytes(
-                        engine.block_tokens))
-            loaded = time.monotonic()
-            with tracing.span("prefill.compute", imported_blocks=len(imported)):
-                res = engine.prefill(tokens, imported, sampling, seq_id=req.request_id)
-            computed = time.monotonic()
-            with tracing.span("prefill.store_kv", new_blocks=len(res.new_blocks)):
-                stored, tkey = self._store(req, keys, res)
-            done = time.monotonic()
+            plan, trusted = resolve_plan(req.plan, engine.info, tokens, req.tenant,
+                                         req.use_prefix_cache)
+            if req.plan.planned:
+                self.m_plans.labels("followed" if trusted else "untrusted").inc()
+            work = PrefillWork(req.request_id, tokens, req.tenant, req.sampling, plan,
+                               req.use_prefix_cache, job.trace)
+            res = engine.prefill(work)
             sp.set_attribute("cached_tokens", res.cached_tokens)
-        self.m_blocks.labels("imported").inc(len(imported) - res.rejected_blocks)
+        self.m_blocks.labels("imported").inc(res.imported_blocks)
         self.m_blocks.labels("rejected").inc(res.rejected_blocks)
-        self.m_blocks.labels("stored").inc(stored)
+        self.m_blocks.labels("stored").inc(res.stored_blocks)
         self.m_tokens.labels("cache").inc(res.cached_tokens)
         self.m_tokens.labels("computed").inc(res.computed_tokens)
-        for phase, secs in (("queue", started - job.queued_at), ("load", loaded - started),
-                            ("compute", computed - loaded), ("store", done - computed)):
+        queue_s = started - job.queued_at
+        for phase, secs in (("queue", queue_s), ("load", res.load_s),
+                            ("compute", res.compute_s), ("store", res.store_s)):
             self.m_latency.labels(phase).observe(secs)
         return pb.PrefillResponse(
             first_token=res.first_token, text=res.text, finished=res.finished,
-            finish_reason=res.finish_reason or "", prompt_tokens=len(tokens),
+            finish_reason=res.finish_reason, prompt_tokens=len(tokens),
             cached_tokens=res.cached_tokens, computed_tokens=res.computed_tokens,
-            tail_key=tkey, stored_blocks=stored, rejected_blocks=res.rejected_blocks,
-            queue_ms=(started - job.queued_at) * 1e3, load_ms=(loaded - started) * 1e3,
-            compute_ms=(computed - loaded) * 1e3, store_ms=(done - computed) * 1e3,
+            tail_key=res.tail_key, stored_blocks=res.stored_blocks,
+            rejected_blocks=res.rejected_blocks, queue_ms=queue_s * 1e3,
+            load_ms=res.load_s * 1e3, compute_ms=res.compute_s * 1e3,
+            store_ms=res.store_s * 1e3,
         )
-
-    def _load_prefix(self, keys: list[str], block_bytes: int) -> list[memoryview]:
-        """The leading cached blocks, read straight into staging memory (misses end it)."""
-        try:
-            n = self.store.prefix_len(keys)
-            if not n:
-                return []
-            views = self._staging_views(n, block_bytes)
-            sizes = self.store.batch_get_into(keys[:n], views)
-        except StoreError as e:
-            log.warning("prefix lookup failed; computing everything", extra={"error": str(e)})
-            return []
-        out: list[memoryview] = []
-        for v, size in zip(views, sizes, strict=True):
-            if size is None:
-                break
-            out.append(v[:size])
-        return out
-
-    def _store(self, req: pb.PrefillRequest, keys: list[str], res: Any) -> tuple[int, str]:
-        """Publish the new blocks (and the tail, which decode needs) next to the decode engine.
-
-        A block another prefill stored meanwhile (ObjectExists) is as good as ours: blocks with
-        one key hold identical KV. Anything else means decode could not find the KV, so it fails
-        the request rather than let decode stall.
-        """
-        placement = "preferred" if req.decode_segment else "local_first"
-        items = [(keys[i], data) for i, data in res.new_blocks]
-        tkey = ""
-        if res.tail_block is not None and not res.finished:
-            tkey = tail_key(req.request_id)
-            items.append((tkey, res.tail_block))
-        if not items:
-            return 0, tkey
-        errors = self.store.batch_put(
-            [k for k, _ in items], [d for _, d in items], placement=placement,
-            preferred_segment=req.decode_segment or None,
-        )
-        stored = 0
-        for (key, _), err in zip(items, errors, strict=True):
-            if err is None:
-                stored += key != tkey
-            elif not isinstance(err, ObjectExists):
-                raise StoreError(f"storing block {key}: {err}") from err
-        return stored, tkey
 
 
 def run_prefill(config: WorkerConfig) -> None:

@@ -1,5 +1,5 @@
 """What the prefill and decode workers share: config, engine start-up, gRPC and health servers,
-load reports and graceful drain.
+load reports and graceful drain. The engine itself sits behind `worker.api` (any kind).
 
 The engine loads in the background so `/healthz` answers at once and `/readyz` turns 200 only
 when the model is in memory; a pod is never routed to before it can serve. On SIGTERM a worker
@@ -15,24 +15,24 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.core import CounterMetricFamily
 
 from mooncake_k8s.common.health import HealthServer
 from mooncake_k8s.common.rpc import serving_pb2 as pb
 from mooncake_k8s.common.rpcserver import start_server
 from mooncake_k8s.store.client import StoreClient
+from mooncake_k8s.worker.api import EngineInfo, open_engine
 
 if TYPE_CHECKING:
-    from mooncake_k8s.engine import Engine, EngineConfig
+    from mooncake_k8s.engine import EngineConfig
 
 log = logging.getLogger(__name__)
-
-
 
 @dataclass
 class WorkerConfig:
@@ -54,6 +54,9 @@ class WorkerConfig:
     local_segment_size: int = 0
     """Decode only: bytes of DRAM served to the store beside the engine (0 = none)."""
     transport: str = "auto"
+    engine_kind: str = "embedded"
+    engine_args: list[str] = field(default_factory=list)
+    """Passed through to the engine (vLLM server flags); the embedded engine takes none."""
 
 
 class Worker:
@@ -64,7 +67,8 @@ class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.registry = CollectorRegistry()
-        self.engine: Engine | None = None
+        self.engine: Any = None
+        """A `PrefillEngine` or `DecodeEngine` (worker.api) once loaded."""
         self.engine_error: str | None = None
         self.store = StoreClient(config.master, config.token, transport=config.transport)
         self.draining = threading.Event()
@@ -78,6 +82,7 @@ class Worker:
             "mooncake_worker_ready", "1 when the worker serves requests", ["role"],
             registry=self.registry,
         )
+        self.registry.register(_EngineCounters(self))
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -91,8 +96,8 @@ class Worker:
             lambda _r, _c: report(), request_deserializer=pb.LoadRequest.FromString,
             response_serializer=pb.LoadReport.SerializeToString)
 
-    def on_engine_loaded(self, engine: Engine) -> None:
-        """Hook for subclasses: start their engine thread."""
+    def on_engine_loaded(self, engine: Any) -> None:
+        """Hook for subclasses, called before the worker turns ready."""
 
     def start(self) -> None:
         cfg = self.config
@@ -108,23 +113,24 @@ class Worker:
         threading.Thread(target=self._load_engine, name="engine-load", daemon=True).start()
 
     def _load_engine(self) -> None:
-        from mooncake_k8s.engine import load_engine
-
         t0 = time.monotonic()
         try:
-            engine = load_engine(self.config.engine, progress=False)
-            self.engine = engine  # before the hook: the engine threads it starts read it
+            engine = open_engine(self.role, self.config, self.store)
             self.on_engine_loaded(engine)
         except Exception as e:
             self.engine_error = f"{type(e).__name__}: {e}"
             log.exception("engine failed to load")
             return
+        if self.draining.is_set():  # stopped while loading: nothing may keep the engine alive
+            engine.close()
+            return
         self.engine = engine
         self._ready_gauge.labels(self.role).set(1)
         log.info(
             f"{self.role} ready",
-            extra={"model": engine.served_name, "seconds": round(time.monotonic() - t0, 2),
-                   "address": self.address, "metrics_port": self.metrics_port},
+            extra={"model": engine.info.served_name, "engine": engine.info.kind,
+                   "seconds": round(time.monotonic() - t0, 2), "address": self.address,
+                   "metrics_port": self.metrics_port},
         )
 
     def not_ready(self) -> str | None:
@@ -132,6 +138,9 @@ class Worker:
             return f"engine failed: {self.engine_error}"
         if self.engine is None:
             return "loading the model"
+        failed = self.engine.failure()
+        if failed:
+            return f"engine failed: {failed}"
         if self.draining.is_set():
             return "draining"
         return None
@@ -160,11 +169,13 @@ class Worker:
             self._server.stop(1.0).wait()
         if self._health is not None:
             self._health.stop()
+        if self.engine is not None:
+            self.engine.close()
         self.store.close()
 
     # -- request accounting ----------------------------------------------------------------
 
-    def admit(self, context: grpc.ServicerContext) -> Engine:
+    def admit(self, context: grpc.ServicerContext) -> Any:
         """Count a request in, or abort it when the worker cannot take it."""
         if self.draining.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.role} is draining")
@@ -187,12 +198,38 @@ class Worker:
             ready=self.not_ready() is None, draining=self.draining.is_set(),
         )
         if e is not None:
-            report.model = e.served_name
-            report.model_fingerprint = e.fingerprint.hex()
-            report.dtype = e.layout.dtype
-            report.block_tokens = e.block_tokens
-            report.max_context = e.max_context
+            info: EngineInfo = e.info
+            report.model = info.served_name
+            report.model_fingerprint = info.fingerprint
+            report.dtype = info.dtype
+            report.block_tokens = info.block_tokens
+            report.max_context = info.max_context
+            report.engine = info.kind
+            report.kv_layout = info.kv_layout
         return report
+
+
+class _EngineCounters:
+    """Counters the engine keeps itself (e.g. in vLLM's processes), read at scrape time."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        engine = self.worker.engine
+        if engine is None:
+            return
+        families: dict[str, CounterMetricFamily] = {}
+        for c in engine.counters():
+            fam = families.get(c.name)
+            if fam is None:
+                fam = families[c.name] = CounterMetricFamily(c.name, c.help,
+                                                             labels=sorted(c.labels))
+            fam.add_metric([c.labels[k] for k in sorted(c.labels)], c.value)
+        yield from families.values()
 
 
 def sampling_from_pb(s: pb.Sampling) -> Any:

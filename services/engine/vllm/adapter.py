@@ -1,0 +1,191 @@
+"""vLLM behind the worker interface (`worker.api`): prefill and decode through a vLLM server.
+
+Prefill→decode handoff goes through the pool: prefill asks its vLLM for one token; the KV
+connector saves the prompt's full blocks to the store (in the plan's write segment, next to the
+decode) before vLLM answers. Decode asks its vLLM to continue `prompt + first token`; its
+connector loads those blocks and vLLM computes only the partial tail block (< block_tokens
+tokens) and the first token. Chosen over vLLM's two-phase `kv_transfer_params` P2P protocol
+because the blocks then stay in the pool: any later prefill on any node reuses them, and a
+decode instance that dies can be replaced by another that loads the same blocks.
+
+The plan reaches the connector inside the request (`kv_transfer_params["mooncake"]`): keys the
+Conductor computed, how many leading blocks the pool holds, where to write. Tenants: the tenant
+salts our keys and, as vLLM's `cache_salt`, vLLM's own prefix cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from mooncake_k8s.common.errors import InvalidArgument
+from mooncake_k8s.common.rpc import serving_pb2 as pb
+from mooncake_k8s.engine.loading import model_source
+from mooncake_k8s.engine.vllm.connector import PARAMS_KEY
+from mooncake_k8s.engine.vllm.server import VllmError, VllmServer, VllmServerConfig
+from mooncake_k8s.worker.api import (
+    DecodeWork,
+    EngineCounter,
+    EngineFailed,
+    EngineInfo,
+    EngineLoad,
+    PrefillDone,
+    PrefillWork,
+    TokenOut,
+)
+from mooncake_k8s.worker.base import WorkerConfig
+
+LOAD_CACHE_S = 0.2
+
+
+def sampling_body(s: pb.Sampling, max_tokens: int) -> dict[str, Any]:
+    body: dict[str, Any] = {"max_tokens": max_tokens, "temperature": s.temperature,
+                            "top_p": s.top_p if s.top_p > 0 else 1.0,
+                            "ignore_eos": s.ignore_eos, "skip_special_tokens": True}
+    if s.stop:
+        body["stop"] = list(s.stop)
+    if s.has_seed:
+        body["seed"] = s.seed
+    return body
+
+
+def cache_salt(tenant: str) -> str | None:
+    """vLLM's own prefix cache keeps tenants apart with this (None: the shared namespace)."""
+    return hashlib.blake2b(tenant.encode(), digest_size=16).hexdigest() if tenant else None
+
+
+class _Vllm:
+    def __init__(self, config: WorkerConfig) -> None:
+        path, fp, name = model_source(config.engine, progress=False)
+        self.server = VllmServer(VllmServerConfig(
+            model_dir=path, served_name=name, fingerprint=fp.hex(),
+            block_tokens=config.engine.block_tokens, master=config.master, token=config.token,
+            role=config.role, extra_args=list(config.engine_args), transport=config.transport,
+        ))
+        self.server.start()
+        ident = self.server.identity
+        self.info = EngineInfo("vllm", name, fp.hex(), str(ident["dtype"]),
+                               int(ident["block_tokens"]), self.server.max_model_len,
+                               str(ident["kv_layout"]))
+        self._load = EngineLoad()
+        self._load_at = 0.0
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self.server.stop()
+
+    def failure(self) -> str | None:
+        return self.server.failure()
+
+    def counters(self) -> list[EngineCounter]:
+        """What the KV connector in vLLM's worker did with blocks."""
+        return [EngineCounter("mooncake_vllm_kv_blocks_total",
+                              "KV blocks the vLLM connector moved, by outcome", float(v),
+                              {"outcome": k})
+                for k, v in sorted(self.server.connector_stats().items())]
+
+    def _check(self, e: Exception) -> Exception:
+        """An error from vLLM as ours: its 4xx is the request's fault, anything else the
+        engine's."""
+        if isinstance(e, VllmError) and 400 <= e.status < 500:
+            return InvalidArgument(str(e))
+        return EngineFailed(self.failure() or str(e))
+
+    def load(self) -> EngineLoad:
+        """vLLM's own gauges, read at most every LOAD_CACHE_S."""
+        with self._lock:
+            if time.monotonic() - self._load_at < LOAD_CACHE_S or self.failure():
+                return self._load
+            try:
+                text = self.server.metrics()
+            except OSError:
+                return self._load
+            vals: dict[str, float] = {}
+            cap = 0
+            for fam in text_string_to_metric_families(text):
+                for smp in fam.samples:
+                    if smp.name == "vllm:cache_config_info":
+                        cap = int(smp.labels.get("kv_cache_size_tokens", "0") or 0)
+                    else:
+                        vals[smp.name] = vals.get(smp.name, 0.0) + smp.value
+            used = vals.get("vllm:kv_cache_usage_perc", 0.0)
+            self._load = EngineLoad(
+                running=int(vals.get("vllm:num_requests_running", 0)),
+                waiting=int(vals.get("vllm:num_requests_waiting", 0)),
+                kv_free_tokens=max(0, int(cap * (1 - used))), kv_capacity_tokens=cap)
+            self._load_at = time.monotonic()
+            return self._load
+
+    def _body(self, tokens: list[int], tenant: str, params: dict[str, Any]) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.info.served_name, "prompt": tokens,
+                                "return_token_ids": True,
+                                "kv_transfer_params": {PARAMS_KEY: {**params, "tenant": tenant}}}
+        salt = cache_salt(tenant)
+        if salt:
+            body["cache_salt"] = salt
+        return body
+
+
+class VllmPrefill(_Vllm):
+    def prefill(self, work: PrefillWork) -> PrefillDone:
+        plan = work.plan
+        params: dict[str, Any] = {"keys": list(plan.keys), "write_segment": plan.write_segment}
+        if plan.planned:
+            params["reuse"] = plan.reuse_blocks
+        body = {**self._body(work.token_ids, work.tenant, params),
+                **sampling_body(work.sampling, 1)}
+        t0 = time.monotonic()
+        try:
+            out = self.server.complete(body)
+        except (OSError, VllmError) as e:
+            raise self._check(e) from e
+        choice = out["choices"][0]
+        ids = choice.get("token_ids") or []
+        if not ids:
+            raise EngineFailed("vLLM returned no token")
+        reason = choice.get("finish_reason")
+        # "length" is our own max_tokens=1; the request goes on unless it asked for one token.
+        finished = reason == "stop" or (reason == "length" and work.sampling.max_tokens <= 1)
+        usage = out.get("usage") or {}
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        return PrefillDone(
+            first_token=int(ids[0]), text=choice.get("text", ""), finished=finished,
+            finish_reason=(reason or "") if finished else "", cached_tokens=cached,
+            computed_tokens=len(work.token_ids) - cached, compute_s=time.monotonic() - t0)
+
+
+class VllmDecode(_Vllm):
+    def decode(self, work: DecodeWork, cancelled: threading.Event) -> Iterator[TokenOut]:
+        left = work.sampling.max_tokens - 1
+        if left <= 0:
+            return
+        params = {"keys": list(work.keys), "reuse": len(work.keys), "save": False}
+        body = {**self._body([*work.token_ids, work.first_token], work.tenant, params),
+                **sampling_body(work.sampling, left)}
+        stream = self.server.stream(body)
+        last_id = work.first_token
+        try:
+            for chunk in stream:
+                if cancelled.is_set():
+                    return
+                for choice in chunk.get("choices", ()):
+                    ids = choice.get("token_ids") or []
+                    reason = choice.get("finish_reason")
+                    text = choice.get("text", "")
+                    for i, tid in enumerate(ids):
+                        last = i == len(ids) - 1
+                        last_id = int(tid)
+                        yield TokenOut(int(tid), text if last else "",
+                                       finished=last and reason is not None,
+                                       finish_reason=reason if last else None)
+                    if not ids and reason is not None:  # a stop string ended it: no new token
+                        yield TokenOut(last_id, text, True, reason)
+        except (OSError, VllmError) as e:
+            raise self._check(e) from e
+        finally:
+            stream.close()

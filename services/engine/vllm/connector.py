@@ -1,0 +1,375 @@
+"""`MooncakeK8sConnector`: vLLM's KV connector (v1) backed by our store and transfer engine.
+
+vLLM loads it by module path (`--kv-transfer-config`, `kv_connector_module_path`), once in the
+scheduler process (role SCHEDULER) and once per worker (role WORKER):
+
+- Scheduler side: for a new request, how many leading prompt tokens the pool can supply beyond
+  vLLM's own prefix cache. The count comes from the Conductor's plan when the request carries
+  one (`kv_transfer_params["mooncake"]`: keys computed once by the Conductor, how many leading
+  blocks the pool holds): the master is not asked again. Without a plan it asks the store once.
+  Each step it tells the workers which pool blocks to load into which vLLM blocks, and which
+  fully computed prompt blocks to save.
+- Worker side: loads before the forward pass (every block verified by header and checksum; a
+  bad or vanished block is reported to vLLM, which recomputes it: `kv_load_failure_policy`
+  "recompute"), saves after it (gathered from every layer into one block, written with one
+  batched put to the plan's segment).
+
+Keys: our chained block keys (DESIGN §3) in a namespace that includes the model fingerprint,
+dtype, block size, tenant and the producer tag `vllm-<device>`, so vLLM blocks never stand in for
+the embedded engine's (or another device's) and tenants never share.
+
+Loads and saves are synchronous per step: on a CPU the copy is a small part of the step, and a
+prefill that returns has its blocks in the pool for decode to read. (Layer-by-layer overlap of
+the load with compute, which GPUs want, would go in `wait_for_layer_load`.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from mooncake_k8s.common.blocks import (
+    HEADER_SIZE,
+    BlockLayout,
+    KeyNamespace,
+    block_keys,
+    decode_block,
+    encode_header,
+)
+from mooncake_k8s.common.errors import IntegrityError, MooncakeError, ObjectExists
+from mooncake_k8s.engine.vllm.kvlayout import PagedKV, UnsupportedLayout, dtype_name
+
+log = logging.getLogger("mooncake_k8s.vllm.connector")
+
+PARAMS_KEY = "mooncake"
+"""The key of our plan inside a request's `kv_transfer_params`."""
+
+
+@dataclass
+class _Load:
+    keys: list[str]
+    block_ids: list[int]
+
+
+@dataclass
+class _Save:
+    keys: list[str]
+    block_ids: list[int]
+    segment: str
+
+
+@dataclass
+class MooncakeMeta(KVConnectorMetadata):  # type: ignore[misc]
+    """One step's work for the workers."""
+
+    loads: list[_Load] = field(default_factory=list)
+    saves: list[_Save] = field(default_factory=list)
+
+
+@dataclass
+class _Req:
+    keys: list[str]
+    prompt_len: int
+    pool_blocks: int
+    """Leading blocks the pool holds (the plan's count, or the store's answer)."""
+    segment: str
+    save: bool
+    local_blocks: int = 0
+    """Blocks vLLM's own prefix cache supplied (nothing to load for them)."""
+    load_blocks: int = 0
+    saved_upto: int = 0
+    block_ids: list[int] = field(default_factory=list)
+
+
+def kv_layout_tag(device_type: str) -> str:
+    return f"vllm-{device_type}"
+
+
+def _store_client(extra: dict[str, Any]) -> Any:
+    from mooncake_k8s.store.client import StoreClient
+
+    token = os.environ.get("MOONCAKE_CLUSTER_TOKEN", "")
+    return StoreClient(extra["master"], token, transport=extra.get("transport", "auto"))
+
+
+class MooncakeK8sConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self._extra = extra
+        self._bs = int(vllm_config.cache_config.block_size)
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        dtype = vllm_config.model_config.dtype if cache_dtype == "auto" else cache_dtype
+        self._dtype = dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype)
+        from vllm.platforms import current_platform
+
+        self._layout_tag = kv_layout_tag(str(current_platform.device_type))
+        self._fingerprint = str(extra["fingerprint"])
+        self._store: Any = None
+        self._store_lock = threading.Lock()
+        if role == KVConnectorRole.SCHEDULER:
+            self._reqs: dict[str, _Req] = {}
+            self._write_identity(extra.get("identity_file"))
+        else:
+            self._paged: PagedKV | None = None
+            self._layout: BlockLayout | None = None
+            self._errors: set[int] = set()
+            self._stats = {"loaded": 0, "rejected": 0, "missing": 0, "saved": 0,
+                           "save_failed": 0}
+            self._stats_file = extra.get("stats_file")
+            self._staging = np.empty(0, dtype=np.uint8)
+
+    # -- shared ----------------------------------------------------------------------------
+
+    def _client(self) -> Any:
+        with self._store_lock:
+            if self._store is None:
+                self._store = _store_client(self._extra)
+            return self._store
+
+    def _namespace(self, tenant: str) -> KeyNamespace:
+        return KeyNamespace(self._fingerprint, self._dtype, self._bs, tenant_salt=tenant,
+                            kv_layout=self._layout_tag)
+
+    def _write_identity(self, path: str | None) -> None:
+        """Tell the worker that started vLLM what our key namespace is made of."""
+        if not path:
+            return
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"dtype": self._dtype, "block_tokens": self._bs,
+                       "kv_layout": self._layout_tag}, f)
+        os.replace(tmp, path)
+
+    def shutdown(self) -> None:
+        if self._store is not None:
+            with contextlib.suppress(Exception):
+                self._store.close()
+
+    # -- scheduler side --------------------------------------------------------------------
+
+    def _state(self, request: Any) -> _Req:
+        st = self._reqs.get(request.request_id)
+        if st is not None:
+            return st
+        prompt = list(request.prompt_token_ids or [])
+        params = (request.kv_transfer_params or {}).get(PARAMS_KEY) or {}
+        tenant = str(params.get("tenant", ""))
+        full = len(prompt) // self._bs
+        given = [str(k) for k in params.get("keys", ())]
+        if params.get("keys") is not None and len(given) <= full:
+            # The plan's keys, extended (decode's prompt has one more token) from their chain.
+            parent = given[-1] if given else None
+            rest = block_keys(self._namespace(tenant), prompt[len(given) * self._bs:],
+                              parent=parent)
+            keys = given + rest[: full - len(given)]
+        else:
+            keys = block_keys(self._namespace(tenant), prompt)
+        reuse = params.get("reuse")
+        if reuse is not None:  # the plan says how much the pool holds: do not ask again
+            pool = min(int(reuse), len(keys))
+        else:
+            pool = self._lookup(keys) if params.get("lookup", True) else 0
+        st = _Req(keys, len(prompt), pool, str(params.get("write_segment", "")),
+                  bool(params.get("save", True)))
+        st.saved_upto = st.pool_blocks
+        self._reqs[request.request_id] = st
+        return st
+
+    def _lookup(self, keys: list[str]) -> int:
+        if not keys:
+            return 0
+        try:
+            return int(self._client().prefix_len(keys))
+        except MooncakeError as e:
+            log.warning("pool lookup failed; computing the prompt: %s", e)
+            return 0
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int
+                                   ) -> tuple[int | None, bool]:
+        st = self._state(request)
+        st.local_blocks = num_computed_tokens // self._bs
+        # At least one prompt token is computed: its logits give the next token.
+        usable = min(st.pool_blocks, (st.prompt_len - 1) // self._bs)
+        if usable * self._bs <= num_computed_tokens:
+            return 0, False
+        return usable * self._bs - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
+                                 ) -> None:
+        st = self._state(request)
+        st.load_blocks = num_external_tokens // self._bs
+
+    def build_connector_meta(self, scheduler_output: Any) -> MooncakeMeta:
+        meta = MooncakeMeta()
+        so = scheduler_output
+        for new in so.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(new.block_ids[0])
+            if st.load_blocks:
+                a, b = st.local_blocks, st.local_blocks + st.load_blocks
+                meta.loads.append(_Load(st.keys[a:b], st.block_ids[a:b]))
+                st.load_blocks = 0
+            self._plan_save(st, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id],
+                            meta)
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids and new_ids is not None:
+                st.block_ids = list(new_ids[0])  # after preemption: the whole list again
+                st.saved_upto = min(st.saved_upto, st.pool_blocks)
+            elif new_ids is not None:
+                st.block_ids += list(new_ids[0])
+            done = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0)
+            self._plan_save(st, done, meta)
+        return meta
+
+    def _plan_save(self, st: _Req, computed: int, meta: MooncakeMeta) -> None:
+        """Save the prompt blocks this step completes (and the pool lacks)."""
+        if not st.save:
+            return
+        full = min(min(computed, st.prompt_len) // self._bs, len(st.keys), len(st.block_ids))
+        if full > st.saved_upto:
+            a = st.saved_upto
+            meta.saves.append(_Save(st.keys[a:full], st.block_ids[a:full], st.segment))
+            st.saved_upto = full
+
+    def request_finished(self, request: Any, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        self._reqs.pop(request.request_id, None)
+        return False, None
+
+    # -- worker side -----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        try:
+            self._paged = PagedKV.from_caches(kv_caches)
+            p = self._paged
+            self._layout = BlockLayout(bytes.fromhex(self._fingerprint), dtype_name(p.dtype),
+                                       len(p.layers), p.kv_heads, p.head_dim)
+        except UnsupportedLayout as e:
+            log.error("KV connector off (vLLM computes everything): %s", e)
+            self._paged = None
+        else:
+            log.info("KV connector on: %d layers, %d kv heads, head dim %d, %s layout",
+                     len(p.layers), p.kv_heads, p.head_dim, p.kind)
+
+    def _buffer(self, n: int) -> np.ndarray:
+        assert self._layout is not None
+        size = self._layout.block_bytes(self._bs)
+        if self._staging.nbytes < n * size:
+            self._staging = np.empty(n * size, dtype=np.uint8)
+        return self._staging[: n * size].reshape(n, size)
+
+    def _payloads(self, buf: np.ndarray) -> torch.Tensor:
+        """The payload part of staged blocks as [n, layer, k|v, head, token, dim]."""
+        assert self._paged is not None
+        flat = torch.from_numpy(buf[:, HEADER_SIZE:]).view(self._paged.dtype)
+        return flat.view(buf.shape[0], *self._paged.block_shape())
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self._paged is None or not isinstance(meta, MooncakeMeta):
+            for ld in getattr(meta, "loads", ()):
+                self._errors.update(ld.block_ids)
+            return
+        for ld in meta.loads:
+            self._load(ld)
+        self._flush_stats()
+
+    def _load(self, ld: _Load) -> None:
+        assert self._paged is not None and self._layout is not None
+        buf = self._buffer(len(ld.keys))
+        try:
+            sizes = self._client().batch_get_into(ld.keys, list(buf))
+        except MooncakeError as e:
+            log.warning("loading %d blocks failed; vLLM recomputes them: %s", len(ld.keys), e)
+            sizes = [None] * len(ld.keys)
+        good = 0
+        for i, size in enumerate(sizes):
+            if size is None:
+                self._stats["missing"] += 1
+                break
+            try:
+                header, _ = decode_block(buf[i, :size], self._layout)
+                if header.tokens != self._bs:
+                    raise IntegrityError(f"block holds {header.tokens} tokens, not {self._bs}")
+            except IntegrityError as e:
+                self._stats["rejected"] += 1
+                log.warning("block %s failed verification (%s); recomputing it", ld.keys[i], e)
+                with contextlib.suppress(MooncakeError):  # let a fresh copy replace it
+                    self._client().remove([ld.keys[i]], force=True)
+                break
+            good += 1
+        if good:
+            self._paged.scatter(ld.block_ids[:good], self._payloads(buf[:good]))
+            self._stats["loaded"] += good
+        self._errors.update(ld.block_ids[good:])
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads complete in `start_load_kv`."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
+                      **kwargs: Any) -> None:
+        """Blocks are saved whole (every layer) in `wait_for_save`."""
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if self._paged is None or not isinstance(meta, MooncakeMeta) or not meta.saves:
+            return
+        for sv in meta.saves:
+            self._save(sv)
+        self._flush_stats()
+
+    def _save(self, sv: _Save) -> None:
+        assert self._paged is not None and self._layout is not None
+        buf = self._buffer(len(sv.keys))
+        self._paged.gather(sv.block_ids, self._payloads(buf))
+        for i in range(len(sv.keys)):
+            buf[i, :HEADER_SIZE] = np.frombuffer(
+                encode_header(self._layout, self._bs, buf[i, HEADER_SIZE:]), dtype=np.uint8)
+        seg = sv.segment or None
+        try:
+            errors = self._client().batch_put(
+                sv.keys, list(buf), placement="preferred" if seg else "local_first",
+                preferred_segment=seg)
+        except MooncakeError as e:
+            errors = [e] * len(sv.keys)
+        for key, err in zip(sv.keys, errors, strict=True):
+            if err is None or isinstance(err, ObjectExists):
+                self._stats["saved"] += 1
+            else:
+                self._stats["save_failed"] += 1
+                log.warning("saving block %s failed: %s", key, err)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def _flush_stats(self) -> None:
+        """Counters for the worker process that started vLLM (it exports them as metrics)."""
+        if not self._stats_file:
+            return
+        tmp = f"{self._stats_file}.{os.getpid()}.tmp"
+        with contextlib.suppress(OSError):
+            with open(tmp, "w") as f:
+                json.dump(self._stats, f)
+            os.replace(tmp, self._stats_file)

@@ -1,0 +1,307 @@
+"""The embedded engine behind the worker interface: KV through the store client in-process.
+
+Prefill follows the plan: it reads the `reuse_blocks` leading blocks the plan names straight
+into staging memory (no "which exist?" round trip to the master), the engine verifies them and
+recomputes from the first one missing or corrupt, and the new blocks (plus the partial tail,
+which decode needs) go to the plan's write segment.
+
+Decode: one engine thread owns the engine and runs the continuous-batching loop; between steps
+it takes in newly loaded sequences and drops cancelled ones, then advances every running
+sequence by one token in one forward pass. Callers' threads do the slow part of admission
+(reading the KV blocks) outside that loop, so a long prompt arriving never stalls everyone's
+next token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mooncake_k8s.common.buffers import byte_view
+from mooncake_k8s.common.errors import MooncakeError, ObjectExists, StoreError
+from mooncake_k8s.engine import Engine, EngineFull, SamplingParams, load_engine
+from mooncake_k8s.store.client import StoreClient
+from mooncake_k8s.worker.api import (
+    DecodeWork,
+    EngineCounter,
+    EngineFailed,
+    EngineInfo,
+    EngineLoad,
+    KVMissing,
+    PrefillDone,
+    PrefillWork,
+    TokenOut,
+)
+from mooncake_k8s.worker.base import WorkerConfig, sampling_from_pb
+
+log = logging.getLogger(__name__)
+
+
+def tail_key(request_id: str) -> str:
+    """Store key of a request's partial last block: request-scoped, never a prefix block."""
+    return f"tail/{request_id}"
+
+
+def _info(engine: Engine) -> EngineInfo:
+    return EngineInfo("embedded", engine.served_name, engine.fingerprint.hex(),
+                      engine.layout.dtype, engine.block_tokens, engine.max_context)
+
+
+class _Embedded:
+    def __init__(self, config: WorkerConfig, store: StoreClient) -> None:
+        self.engine = load_engine(config.engine, progress=False)
+        self.store = store
+        self.info = _info(self.engine)
+        self.block_bytes = self.engine.layout.block_bytes(self.engine.block_tokens)
+
+    def close(self) -> None:
+        """The engine is process memory; nothing to stop."""
+
+    def failure(self) -> str | None:
+        """In-process: it cannot die without the worker."""
+        return None
+
+    def counters(self) -> list[EngineCounter]:
+        return []
+
+
+class EmbeddedPrefill(_Embedded):
+    """One prefill at a time (the service serialises calls)."""
+
+    def __init__(self, config: WorkerConfig, store: StoreClient) -> None:
+        super().__init__(config, store)
+        self._staging = np.empty(0, dtype=np.uint8)
+
+    def load(self) -> EngineLoad:
+        return EngineLoad()
+
+    def _staging_views(self, n: int) -> list[memoryview]:
+        """Views over one grow-only buffer: the engine copies imported KV out before returning,
+        so a single prefill at a time can reuse it and never pays for fresh pages."""
+        size = self.block_bytes
+        if self._staging.nbytes < n * size:
+            self._staging = np.empty(n * size, dtype=np.uint8)
+        mv = byte_view(self._staging, writable=True)
+        return [mv[i * size:(i + 1) * size] for i in range(n)]
+
+    def prefill(self, work: PrefillWork) -> PrefillDone:
+        t0 = time.monotonic()
+        plan = work.plan
+        n = plan.reuse_blocks if plan.planned else self._lookup(list(plan.keys))
+        imported = self._read(list(plan.keys[:n])) if n else []
+        t1 = time.monotonic()
+        res = self.engine.prefill(work.token_ids, imported, sampling_from_pb(work.sampling),
+                                  seq_id=work.request_id)
+        t2 = time.monotonic()
+        stored, tkey = self._store(work, res)
+        return PrefillDone(
+            first_token=res.first_token, text=res.text, finished=res.finished,
+            finish_reason=res.finish_reason or "", cached_tokens=res.cached_tokens,
+            computed_tokens=res.computed_tokens, tail_key=tkey, stored_blocks=stored,
+            imported_blocks=len(imported) - res.rejected_blocks,
+            rejected_blocks=res.rejected_blocks, load_s=t1 - t0, compute_s=t2 - t1,
+            store_s=time.monotonic() - t2,
+        )
+
+    def _lookup(self, keys: list[str]) -> int:
+        """No plan: ask the master how long the stored prefix is."""
+        if not keys:
+            return 0
+        try:
+            return self.store.prefix_len(keys)
+        except StoreError as e:
+            log.warning("prefix lookup failed; computing everything", extra={"error": str(e)})
+            return 0
+
+    def _read(self, keys: list[str]) -> list[memoryview]:
+        """The leading blocks, read straight into staging memory; the first miss ends them."""
+        views = self._staging_views(len(keys))
+        try:
+            sizes = self.store.batch_get_into(keys, views)
+        except StoreError as e:
+            log.warning("reading cached blocks failed; computing everything",
+                        extra={"error": str(e)})
+            return []
+        out: list[memoryview] = []
+        for v, size in zip(views, sizes, strict=True):
+            if size is None:
+                break
+            out.append(v[:size])
+        return out
+
+    def _store(self, work: PrefillWork, res: Any) -> tuple[int, str]:
+        """Publish the new blocks (and the tail, which decode needs) next to the decode engine.
+
+        A block another prefill stored meanwhile (ObjectExists) is as good as ours: blocks with
+        one key hold identical KV. Anything else means decode could not find the KV, so it fails
+        the request rather than let decode stall.
+        """
+        seg = work.plan.write_segment
+        keys = work.plan.keys
+        items = [(keys[i], data) for i, data in res.new_blocks]
+        tkey = ""
+        if res.tail_block is not None and not res.finished:
+            tkey = tail_key(work.request_id)
+            items.append((tkey, res.tail_block))
+        if not items:
+            return 0, tkey
+        errors = self.store.batch_put(
+            [k for k, _ in items], [d for _, d in items],
+            placement="preferred" if seg else "local_first", preferred_segment=seg or None,
+        )
+        stored = 0
+        for (key, _), err in zip(items, errors, strict=True):
+            if err is None:
+                stored += key != tkey
+            elif not isinstance(err, ObjectExists):
+                raise StoreError(f"storing block {key}: {err}") from err
+        return stored, tkey
+
+
+@dataclass
+class _Seq:
+    work: DecodeWork
+    blocks: list[memoryview]
+    sampling: SamplingParams
+    out: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)
+
+
+class EmbeddedDecode(_Embedded):
+    """Continuous batching over the embedded engine (see the module docstring)."""
+
+    def __init__(self, config: WorkerConfig, store: StoreClient) -> None:
+        super().__init__(config, store)
+        self._inbox: queue.SimpleQueue[_Seq] = queue.SimpleQueue()
+        self._waiting: list[_Seq] = []
+        self._running: dict[str, _Seq] = {}
+        self._aborts: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.kv_bytes_loaded = 0
+        self.step_seconds: queue.SimpleQueue[float] = queue.SimpleQueue()
+        """Durations of batched steps, drained by the service into its histogram."""
+        self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def counters(self) -> list[EngineCounter]:
+        return [EngineCounter("mooncake_decode_kv_bytes_total", "KV bytes loaded from the store",
+                              self.kv_bytes_loaded)]
+
+    def load(self) -> EngineLoad:
+        load = self.engine.load()
+        return EngineLoad(running=load["running"], waiting=len(self._waiting),
+                          kv_free_tokens=load["kv_free_tokens"],
+                          kv_capacity_tokens=load["kv_capacity_tokens"])
+
+    def decode(self, work: DecodeWork, cancelled: threading.Event) -> Iterator[TokenOut]:
+        seq = _Seq(work, self._load_kv(work), sampling_from_pb(work.sampling))
+        self._inbox.put(seq)
+        self._wake.set()
+        try:
+            while True:
+                try:
+                    item = seq.out.get(timeout=0.1)
+                except queue.Empty:
+                    if cancelled.is_set():
+                        return
+                    if self._stop.is_set():
+                        raise EngineFailed("decode engine stopped") from None
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self._aborts.put(work.request_id)
+            self._wake.set()
+
+    def _load_kv(self, work: DecodeWork) -> list[memoryview]:
+        """Every prompt block plus the tail; a missing one fails the request (the Conductor
+        retries it from prefill), since decode cannot recompute."""
+        keys = list(work.keys)
+        if work.tail_key:
+            keys.append(work.tail_key)
+        size = self.block_bytes
+        buf = np.empty(len(keys) * size, dtype=np.uint8)
+        mv = byte_view(buf, writable=True)
+        views = [mv[i * size:(i + 1) * size] for i in range(len(keys))]
+        got = self.store.batch_get_into(keys, views)
+        missing = [k for k, n in zip(keys, got, strict=True) if n is None]
+        if missing:
+            raise KVMissing(f"{len(missing)} of {len(keys)} KV blocks missing from the store "
+                            f"(first: {missing[0]})")
+        if work.tail_key:
+            with contextlib.suppress(StoreError):
+                self.store.remove([work.tail_key], force=True)
+        self.kv_bytes_loaded += sum(n or 0 for n in got)
+        return [v[:n] for v, n in zip(views, got, strict=True) if n is not None]
+
+    # -- the engine thread -----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            self._admit_new(engine)
+            while not self._aborts.empty():
+                rid = self._aborts.get()
+                if rid in self._running:
+                    engine.abort(rid)
+                    del self._running[rid]
+                self._waiting = [s for s in self._waiting if s.work.request_id != rid]
+            if not self._running:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            t0 = time.monotonic()
+            try:
+                outs = engine.step()
+            except Exception as e:
+                log.exception("decode step failed; failing the batch")
+                for rid, seq in list(self._running.items()):
+                    seq.out.put(e)
+                    with contextlib.suppress(Exception):
+                        engine.abort(rid)
+                self._running.clear()
+                continue
+            self.step_seconds.put(time.monotonic() - t0)
+            for o in outs:
+                target = self._running.get(o.seq_id)
+                if target is None:
+                    continue
+                target.out.put(TokenOut(o.token_id, o.text, o.finished, o.finish_reason))
+                if o.finished:
+                    del self._running[o.seq_id]
+
+    def _admit_new(self, engine: Engine) -> None:
+        while not self._inbox.empty():
+            self._waiting.append(self._inbox.get())
+        still: list[_Seq] = []
+        for seq in self._waiting:
+            w = seq.work
+            try:
+                engine.add_sequence(w.request_id, w.token_ids, seq.blocks, w.first_token,
+                                    seq.sampling)
+            except EngineFull:
+                still.append(seq)  # joins when a running sequence finishes
+                continue
+            except Exception as e:  # a bad sequence fails alone; the loop goes on
+                if not isinstance(e, MooncakeError):
+                    log.exception("adding a sequence failed", extra={"request_id": w.request_id})
+                seq.out.put(e)
+                continue
+            seq.blocks = []  # the engine copied the KV; let the staging memory go
+            self._running[w.request_id] = seq
+        self._waiting = still
