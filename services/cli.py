@@ -58,6 +58,18 @@ def store() -> None:
 @click.option("--put-timeout-s", envvar="MOONCAKE_PUT_TIMEOUT_S", default=30.0,
               show_default=True, show_envvar=True, type=click.FloatRange(0.1),
               help="A put not ended within this time is revoked and its space reclaimed.")
+@click.option("--put-claim-s", envvar="MOONCAKE_PUT_CLAIM_S", default=1.0, show_default=True,
+              show_envvar=True, type=click.FloatRange(0.01),
+              help="How long a pending put keeps other writers of its key away (plus time for "
+                   "its size); a crashed writer blocks its key no longer.")
+@click.option("--state-dir", envvar="MOONCAKE_MASTER_STATE_DIR", default=None, show_envvar=True,
+              type=click.Path(file_okay=False),
+              help="Directory for the registered nodes' ids, so a restarted master knows whom "
+                   "to wait for before answering (without it: always the whole grace period).")
+@click.option("--recovery-grace-s", envvar="MOONCAKE_RECOVERY_GRACE_S", default=3.0,
+              show_default=True, show_envvar=True, type=click.FloatRange(0.0),
+              help="After a restart, answer UNAVAILABLE at most this long while storage nodes "
+                   "re-register; 0 = answer at once.")
 @click.option("--node-timeout-s", envvar="MOONCAKE_NODE_TIMEOUT_S", default=10.0,
               show_default=True, show_envvar=True, type=click.FloatRange(0.5),
               help="A node silent this long is dead; its replicas are dropped.")
@@ -68,7 +80,8 @@ def store() -> None:
 @_with_logs
 def store_master(
     host: str, port: int, metrics_port: int, token: str, high_watermark: float,
-    low_watermark: float, lease_ms: int, put_timeout_s: float, node_timeout_s: float,
+    low_watermark: float, lease_ms: int, put_timeout_s: float, put_claim_s: float,
+    state_dir: str | None, recovery_grace_s: float, node_timeout_s: float,
     max_object_size: int, allow_any_address: bool, log_level: str, log_format: str,
 ) -> None:
     """Run the store master (metadata, allocation, leases, eviction; never in the data path)."""
@@ -85,7 +98,8 @@ def store_master(
             host=host, port=port, token=token,
             metrics_port=None if metrics_port < 0 else metrics_port,
             high_watermark=high_watermark, low_watermark=low_watermark, lease_ms=lease_ms,
-            put_timeout_s=put_timeout_s, node_timeout_s=node_timeout_s,
+            put_timeout_s=put_timeout_s, put_claim_s=put_claim_s, state_dir=state_dir,
+            recovery_grace_s=recovery_grace_s, node_timeout_s=node_timeout_s,
             max_object_size=max_object_size,
         )
     )

@@ -7,6 +7,11 @@ the same host, else tcp), verifying the xxh3-64 checksum recorded at put time. A
 fails, or whose bytes do not verify, is skipped; when none is left the answer is a miss
 (`ObjectNotFound`), never wrong bytes.
 
+Retries: a master that is restarting or rebuilding its metadata answers UNAVAILABLE; reads
+(lookups, exists, stats) are retried with backoff until the call's timeout, and so is any call
+the master refused on purpose while rebuilding (it did nothing). A put whose outcome is unknown
+(the connection broke mid-call) is not retried blindly.
+
 Location cache: a lookup's read lease guarantees the master will neither free nor evict the
 object's space until it expires, so the client may reuse the replica list until shortly before
 then without asking again. That turns a repeated get into a pure data-path copy. The checksum
@@ -16,6 +21,7 @@ is still verified on every read.
 from __future__ import annotations
 
 import contextlib
+import random
 import threading
 import time
 from collections import OrderedDict
@@ -51,6 +57,12 @@ _PLACEMENTS = {
 }
 _TIERS = {pb.DRAM: Tier.DRAM, pb.SSD: Tier.SSD}
 _MAX_MSG = 64 << 20
+_RECOVERING_KEY = "mooncake-recovering"  # = master.RECOVERING_KEY (no server import here)
+_SAFE_TO_RETRY = frozenset({"GetReplicas", "Exists", "Stats", "Pin", "ReleaseLease"})
+"""Calls that change nothing a second attempt could trip over; others are retried only when
+the master said it did nothing (the recovering trailer)."""
+_RETRY_FIRST_S = 0.02
+_RETRY_MAX_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -127,6 +139,9 @@ class StoreClient:
             options=[
                 ("grpc.max_receive_message_length", _MAX_MSG),
                 ("grpc.max_send_message_length", _MAX_MSG),
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 1000),
             ],
         )
         self._stub: Any = pb_grpc.MasterStub(self._channel)  # type: ignore[no-untyped-call]
@@ -220,7 +235,9 @@ class StoreClient:
                 results[i] = _start_error(keys[i], res.error_code, res.error)
                 continue
             if res.ok.exists:
-                results[i] = ObjectExists(f"object {keys[i]!r} already exists")
+                how = "is being written by another client" if res.ok.in_progress else (
+                    "already exists")
+                results[i] = ObjectExists(f"object {keys[i]!r} {how}")
                 continue
             pending.append(i)
             for r in res.ok.replicas:
@@ -250,18 +267,25 @@ class StoreClient:
             for i in written
         ]
         if ends:
+            errors: list[Exception | None]
             try:
                 if len(ends) == 1:
                     self._call("PutEnd", ends[0])
-                    errors = [""]
+                    errors = [None]
                 else:
                     batch = pb.BatchPutEndRequest(items=ends)
-                    errors = list(self._call("BatchPutEnd", batch).errors)
+                    resp = self._call("BatchPutEnd", batch)
+                    codes = list(resp.error_codes) or [""] * len(resp.errors)
+                    errors = [
+                        _end_error(keys[i], code, msg) if msg else None
+                        for i, msg, code in zip(written, resp.errors, codes, strict=False)
+                    ]
+            except ObjectExists as e:  # another put of the key ended first: it is stored
+                errors = [e]
             except StoreError as e:
-                errors = [str(e)] * len(ends)
-            for i, msg in zip(written, errors, strict=False):
-                if msg:
-                    results[i] = StoreError(f"publishing {keys[i]!r}: {msg}")
+                errors = [StoreError(f"publishing {keys[i]!r}: {e}") for i in written]
+            for i, err in zip(written, errors, strict=False):
+                results[i] = err
         return results
 
     def _revoke(self, key: str, put_id: int) -> None:
@@ -454,10 +478,35 @@ class StoreClient:
                 raise _rpc_error(e, "Watch") from e
 
     def _call(self, method: str, request: Any) -> Any:
-        try:
-            return getattr(self._stub, method)(request, metadata=self._md, timeout=self._timeout)
-        except grpc.RpcError as e:
-            raise _rpc_error(e, method) from e
+        """One master call, retried on UNAVAILABLE where that is safe (module docstring)."""
+        fn = getattr(self._stub, method)
+        deadline = time.monotonic() + self._timeout
+        delay = _RETRY_FIRST_S
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return fn(request, metadata=self._md, timeout=max(left, 0.001))
+            except grpc.RpcError as e:
+                if not _retryable(e, method) or time.monotonic() + delay >= deadline:
+                    raise _rpc_error(e, method) from e
+            time.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, _RETRY_MAX_S)
+
+
+def _retryable(e: grpc.RpcError, method: str) -> bool:
+    if e.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    if method in _SAFE_TO_RETRY:
+        return True
+    # (key, value) pairs at run time, whatever grpc-stubs says
+    trailers: Any = e.trailing_metadata() or ()  # type: ignore[attr-defined]
+    return any(k == _RECOVERING_KEY for k, _ in trailers)
+
+
+def _end_error(key: str, code: str, message: str) -> StoreError:
+    if code == "EXISTS":
+        return ObjectExists(f"put {key!r}: {message}")
+    return StoreError(f"publishing {key!r}: {message}")
 
 
 def _start_error(key: str, code: str, message: str) -> StoreError | InvalidArgument:

@@ -4,6 +4,10 @@ Every RPC of `service Master` (proto/store.proto) is a thin call into the state,
 mapped to gRPC status codes and a specific message; no exception escapes a handler. A background
 thread runs `MasterState.tick` (expiry of nodes, puts, leases and copies; watermark eviction).
 
+A restarted master first rebuilds its metadata from the nodes' inventories: until its known
+nodes have re-registered (or a grace period passed) lookups and puts answer UNAVAILABLE with a
+`mooncake-recovering` trailer, which clients retry (see `recovery`).
+
 GetReplicas answers are serialized by the state itself (each object's replica list is encoded
 once and cached), which is what keeps batched lookups above 100k keys/s on one core.
 """
@@ -32,11 +36,16 @@ from mooncake_k8s.common.errors import (
 from mooncake_k8s.common.metrics import LATENCY_BUCKETS, serve_metrics
 from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.common.rpcserver import start_server
-from mooncake_k8s.store.metadata import Lookup, MasterState, PutNotFound, UnknownNode
+from mooncake_k8s.store.metadata import MasterState, PutNotFound, PutSuperseded, UnknownNode
+from mooncake_k8s.store.records import Lookup
+from mooncake_k8s.store.recovery import NodeRoster, RecoveryGate
 
 log = logging.getLogger(__name__)
 
 SERVICE = "mooncake.store.v1.Master"
+RECOVERING_KEY = "mooncake-recovering"
+"""Trailing metadata on an UNAVAILABLE that the master sent on purpose while it rebuilds: the
+call did nothing, so even a put may be retried."""
 _TIER_NAMES: dict[int, str] = {pb.DRAM: "dram", pb.SSD: "ssd"}
 
 
@@ -57,6 +66,17 @@ class MasterConfig:
     high_watermark: float = 0.95
     low_watermark: float = 0.85
     put_timeout_s: float = 30.0
+    """A put not ended within this time is revoked and its space reclaimed."""
+    put_claim_s: float = 1.0
+    """How long a pending put keeps other writers of its key away (plus time for its size): a
+    crashed writer blocks its key this long, not for the whole put timeout."""
+    state_dir: str | None = None
+    """Where the master keeps the ids of its registered nodes, so that after a restart it knows
+    whom to wait for. None: it cannot tell a first start from a restart and always waits for
+    `recovery_grace_s`."""
+    recovery_grace_s: float = 3.0
+    """After a restart, answer UNAVAILABLE at most this long while nodes re-register (nodes
+    re-register within about a heartbeat interval); 0 disables recovery."""
     lease_ms: int = 2000
     max_lease_ms: int = 60_000
     node_timeout_s: float = 10.0
@@ -72,8 +92,9 @@ class MasterConfig:
 class _StateCollector(Collector):
     """Gauges and counters read from the state at scrape time."""
 
-    def __init__(self, state: MasterState) -> None:
+    def __init__(self, state: MasterState, gate: RecoveryGate) -> None:
         self._state = state
+        self._gate = gate
 
     def collect(self) -> Iterator[Any]:
         c = self._state.counters()
@@ -106,16 +127,24 @@ class _StateCollector(Collector):
         sp.add_metric([], c["spills"])
         pr = CounterMetricFamily("mooncake_store_promotions", "SSD objects copied back to DRAM")
         pr.add_metric([], c["promotions"])
-        yield from (objects, nodes, pending, leases, cap, used, lookups, ev, sp, pr)
+        rec = GaugeMetricFamily(
+            "mooncake_store_recovering", "1 while a restarted master rebuilds its metadata"
+        )
+        rec.add_metric([], 0 if self._gate.is_open else 1)
+        yield from (objects, nodes, pending, leases, cap, used, lookups, ev, sp, pr, rec)
 
 
 class _Abort(Exception):
     """Raised by a handler to end the call with this status."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(
+        self, code: grpc.StatusCode, message: str,
+        trailers: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.trailers = trailers
 
 
 def _status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
@@ -127,6 +156,8 @@ def _status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(e)
     if isinstance(e, NoSpace):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
+    if isinstance(e, PutSuperseded):
+        return grpc.StatusCode.ALREADY_EXISTS, str(e)
     if isinstance(e, PutNotFound | UnknownNode):
         return grpc.StatusCode.NOT_FOUND, str(e)
     if isinstance(e, StoreError):
@@ -143,21 +174,33 @@ def _serialize(msg: Any) -> bytes:
 class MasterServicer:
     """One method per RPC; each takes (request, context) like a generated servicer."""
 
-    def __init__(self, state: MasterState, config: MasterConfig, stopping: threading.Event) -> None:
+    def __init__(
+        self, state: MasterState, config: MasterConfig, stopping: threading.Event,
+        gate: RecoveryGate,
+    ) -> None:
         self.state = state
         self.config = config
         self._stopping = stopping
+        self.gate = gate
+
+    def _authoritative(self) -> None:
+        """Refuse (UNAVAILABLE, retryable) while a restarted master is still rebuilding."""
+        if not self.gate.is_open:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, self.gate.describe(),
+                         ((RECOVERING_KEY, "1"),))
 
     # -- nodes -----------------------------------------------------------------------------
 
     def RegisterNode(self, req: pb.RegisterNodeRequest, ctx: Any) -> pb.RegisterNodeResponse:
-        restored = self.state.register_node(
-            req.node_id, req.address, req.host_id, list(req.segments), list(req.inventory)
+        reg = self.state.register_node(
+            req.node_id, req.address, req.host_id, list(req.segments), list(req.inventory),
+            req.incarnation,
         )
+        self.gate.registered(req.node_id)
         return pb.RegisterNodeResponse(
             master_id=self.state.master_id,
             heartbeat_interval_ms=self.config.heartbeat_interval_ms,
-            restored_objects=restored,
+            restored_objects=reg.restored, dropped_replicas=reg.dropped,
         )
 
     def Heartbeat(self, req: pb.HeartbeatRequest, ctx: Any) -> pb.HeartbeatResponse:
@@ -184,6 +227,7 @@ class MasterServicer:
     # -- puts ------------------------------------------------------------------------------
 
     def PutStart(self, req: pb.PutStartRequest, ctx: Any) -> pb.PutStartResponse:
+        self._authoritative()
         return self.state.put_start(
             req.key, req.size, req.replicas, req.placement, req.preferred_segment,
             req.client_host_id,
@@ -198,14 +242,16 @@ class MasterServicer:
         return pb.PutRevokeResponse()
 
     def BatchPutStart(self, req: pb.BatchPutStartRequest, ctx: Any) -> pb.BatchPutStartResponse:
+        self._authoritative()
         return pb.BatchPutStartResponse(results=self.state.batch_put_start(req.items))
 
     def BatchPutEnd(self, req: pb.BatchPutEndRequest, ctx: Any) -> pb.BatchPutEndResponse:
-        return pb.BatchPutEndResponse(errors=self.state.batch_put_end(req.items))
+        return self.state.batch_put_end(req.items)
 
     # -- reads -----------------------------------------------------------------------------
 
     def GetReplicas(self, req: pb.GetReplicasRequest, ctx: Any) -> bytes:
+        self._authoritative()
         lookup: Lookup = self.state.get_replicas(req.keys, req.lease_ms, req.client_host_id)
         return lookup.encode()
 
@@ -214,13 +260,16 @@ class MasterServicer:
         return pb.ReleaseLeaseResponse()
 
     def Exists(self, req: pb.ExistsRequest, ctx: Any) -> pb.ExistsResponse:
+        self._authoritative()
         present, prefix = self.state.exists(req.keys)
         return pb.ExistsResponse(exists=present, prefix_len=prefix)
 
     def Remove(self, req: pb.RemoveRequest, ctx: Any) -> pb.RemoveResponse:
+        self._authoritative()
         return pb.RemoveResponse(removed=self.state.remove(req.keys, req.force))
 
     def Pin(self, req: pb.PinRequest, ctx: Any) -> pb.PinResponse:
+        self._authoritative()
         return pb.PinResponse(ok=self.state.pin(req.keys, req.pin))
 
     def Watch(self, req: pb.WatchRequest, ctx: Any) -> Iterator[pb.BlockEvent]:
@@ -240,7 +289,9 @@ class MasterServicer:
             sub.close()
 
     def Stats(self, req: pb.StatsRequest, ctx: Any) -> pb.StatsResponse:
-        return self.state.stats()
+        stats = self.state.stats()
+        stats.recovering = not self.gate.is_open
+        return stats
 
 
 _UNARY: tuple[tuple[str, Any], ...] = (
@@ -272,19 +323,23 @@ class MasterServer:
         self.config = config
         self.state = state or MasterState(
             high_watermark=config.high_watermark, low_watermark=config.low_watermark,
-            put_timeout_s=config.put_timeout_s, lease_ms=config.lease_ms,
+            put_timeout_s=config.put_timeout_s, put_claim_s=config.put_claim_s,
+            lease_ms=config.lease_ms,
             max_lease_ms=max(config.max_lease_ms, config.lease_ms),
             node_timeout_s=config.node_timeout_s, max_object_size=config.max_object_size,
             event_queue=config.event_queue,
         )
+        self.roster = NodeRoster(config.state_dir) if config.state_dir else None
+        expected = self.roster.load() if self.roster else None
+        self.gate = RecoveryGate(expected, config.recovery_grace_s)
         self.registry = CollectorRegistry()
-        self.registry.register(_StateCollector(self.state))
+        self.registry.register(_StateCollector(self.state, self.gate))
         self._rpc_seconds = Histogram(
             "mooncake_master_rpc_seconds", "Master RPC latency", ["method"],
             buckets=LATENCY_BUCKETS, registry=self.registry,
         )
         self._stopping = threading.Event()
-        self._servicer = MasterServicer(self.state, config, self._stopping)
+        self._servicer = MasterServicer(self.state, config, self._stopping, self.gate)
         self._server: grpc.Server | None = None
         self._ticker: threading.Thread | None = None
         self.port = 0
@@ -312,6 +367,8 @@ class MasterServer:
                 code, msg = _status_of(e)
                 if code == grpc.StatusCode.INTERNAL:
                     log.exception("rpc failed", extra={"method": name})
+                if isinstance(e, _Abort) and e.trailers:
+                    ctx.set_trailing_metadata(e.trailers)
                 err = (code, msg)
             finally:
                 timer.observe(time.perf_counter() - start)
@@ -368,11 +425,23 @@ class MasterServer:
             )
 
     def _tick_loop(self) -> None:
+        roster_ok = True
         while not self._stopping.wait(self.config.tick_interval_s):
             try:
                 self.state.tick()
             except Exception:
                 log.exception("master tick failed")
+            # The roster is what a restarted master waits for; while rebuilding, the roster
+            # on disk still names the nodes not back yet, so it is kept until the gate opens.
+            if self.roster is not None and self.gate.is_open:
+                try:
+                    self.roster.save(self.state.node_ids())
+                    roster_ok = True
+                except OSError as e:
+                    if roster_ok:  # once per failure streak, not every tick
+                        log.error("cannot save the node roster: %s", e,
+                                  extra={"path": str(self.roster.path)})
+                    roster_ok = False
 
     def stop(self, grace: float = 1.0) -> None:
         if self._stopping.is_set():

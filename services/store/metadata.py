@@ -10,6 +10,16 @@ Lifecycle of an object::
     put_start ──> pending (space allocated, invisible) ──put_end──> committed (visible)
                       └──put_revoke / timeout / node death──> space freed
 
+A pending put claims its key for a short time (`put_claim_s`, longer for big objects): other
+writers of the key are told it exists, so concurrent writers of one block do not all write it.
+A writer that crashes therefore blocks its key only until the claim lapses, not for the whole
+put timeout: after that a new put of the key runs beside the old one, the first `put_end`
+publishes, and a later one is refused as superseded (`PutSuperseded`) with its space freed.
+
+A node that registers again with a new incarnation (a restarted process) is reconciled with
+the inventory it reports: replicas the master recorded there that the node no longer lists are
+dropped at once, and puts or copies aimed at its old process are cancelled.
+
 A committed object has one or more replicas (segment, offset) on distinct nodes. A lookup
 (`get_replicas`) grants a read lease; while any lease covers an object it is neither evicted nor
 freed. `remove` hides an object at once; a leased one keeps its space until the last lease ends.
@@ -26,11 +36,13 @@ import contextlib
 import heapq
 import itertools
 import logging
+import secrets
 import threading
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 from mooncake_k8s.common.errors import (
     InvalidArgument,
@@ -78,6 +90,26 @@ class UnknownNode(StoreError, LookupError):
     """The node is not registered with this master (it restarted, or the node timed out)."""
 
 
+class PutSuperseded(StoreError):
+    """Another put of the same key ended first (this put's claim had lapsed); the object is
+    stored, this put's space is freed. For the writer that is as good as ObjectExists."""
+
+
+class Registration(NamedTuple):
+    """What `register_node` did with the node's report."""
+
+    restored: int
+    """Inventory objects now known to the master on this node."""
+    dropped: int
+    """Replicas the node's previous incarnation held that the new one no longer reports."""
+
+
+#: A claim lasts put_claim_s plus the time to write the object's replicas at this rate, so a
+#: large put by a live writer keeps its key while small ones lapse fast after a crash. Too
+#: short only costs a duplicate write (the keys name their content), never a failure.
+CLAIM_BYTES_PER_S = 256 << 20
+
+
 class MasterState:
     """Everything the master knows; see the module docstring. Thread-safe."""
 
@@ -87,6 +119,7 @@ class MasterState:
         high_watermark: float = 0.95,
         low_watermark: float = 0.85,
         put_timeout_s: float = 30.0,
+        put_claim_s: float = 1.0,
         lease_ms: int = 2000,
         max_lease_ms: int = MAX_LEASE_MS,
         node_timeout_s: float = 10.0,
@@ -95,6 +128,7 @@ class MasterState:
         now: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         master_id: str | None = None,
+        first_id: int | None = None,
     ) -> None:
         if not 0.0 < high_watermark <= 1.0:
             raise InvalidArgument(f"high_watermark must be in (0, 1], got {high_watermark}")
@@ -102,10 +136,13 @@ class MasterState:
             raise InvalidArgument("low_watermark must be >= 0 and below high_watermark")
         if lease_ms < 1 or max_lease_ms < lease_ms:
             raise InvalidArgument("lease_ms must be >= 1 and <= max_lease_ms")
+        if put_claim_s <= 0:
+            raise InvalidArgument(f"put_claim_s must be > 0, got {put_claim_s}")
         self.master_id = master_id or uuid.uuid4().hex
         self.high_watermark = high_watermark
         self.low_watermark = low_watermark
         self.put_timeout_s = put_timeout_s
+        self.put_claim_s = put_claim_s
         self.lease_ms = lease_ms
         self.max_lease_ms = max_lease_ms
         self.node_timeout_s = node_timeout_s
@@ -123,7 +160,11 @@ class MasterState:
         self._leases: dict[int, Lease] = {}
         self._lease_heap: list[tuple[float, int]] = []
         self._copies: dict[int, Copy] = {}
-        self._ids = itertools.count(1)  # put, lease and command ids share one sequence
+        # Put, lease and command ids share one sequence. It starts at a random point so that a
+        # put id issued by a previous master process is never mistaken for one of ours.
+        if first_id is None:
+            first_id = (secrets.randbits(31) << 20) + 1
+        self._ids = itertools.count(first_id)
         self._seq = 0
         self._hub = EventHub(event_queue)
         self._outbox: list[pb.BlockEvent] = []
@@ -210,13 +251,16 @@ class MasterState:
         host_id: str,
         segments: Sequence[pb.SegmentInfo],
         inventory: Sequence[pb.InventoryItem] = (),
-    ) -> int:
-        """(Re-)register a node; returns how many inventory objects are now known to the master.
+        incarnation: str = "",
+    ) -> Registration:
+        """(Re-)register a node.
 
-        A known node re-registering with the same segments keeps its objects (and its queued
-        commands); with different segments it is replaced. Inventory items that cannot be
-        restored (overlap, conflict with a stored object, unknown segment) are rejected and the
-        node is sent FREED for them.
+        A known node re-registering with the same segments and incarnation (its session to
+        this master broke) keeps its objects and its queued commands. With a new incarnation
+        the process restarted: it is reconciled with `inventory` (`_reconcile_restart`). With
+        different segments it is replaced. Inventory items that cannot be restored (overlap,
+        conflict with a stored object, unknown segment) are rejected and the node is sent FREED
+        for them.
         """
         if not node_id:
             raise InvalidArgument("node_id is empty")
@@ -245,9 +289,13 @@ class MasterState:
             now = self._now()
             old = self._nodes.get(node_id)
             sig = [(s.name, s.tier, s.size, s.path) for s in segments]
+            dropped = 0
             if old is not None and [(s.name, s.tier, s.size, s.path) for s in old.segments] == sig:
                 node = old
                 node.last_seen = now
+                if incarnation and node.incarnation and incarnation != node.incarnation:
+                    dropped = self._reconcile_restart(node, inventory)
+                node.incarnation = incarnation or node.incarnation
                 if (node.address, node.host_id) != (address, host_id):
                     node.address, node.host_id = address, host_id
                     for seg in node.segments:
@@ -256,7 +304,7 @@ class MasterState:
             else:
                 if old is not None:
                     self._drop_node(old, "re-registered with different segments")
-                node = Node(node_id, address, host_id, now)
+                node = Node(node_id, address, host_id, now, incarnation)
                 for s in segments:
                     seg = Segment(node, s)
                     node.segments.append(seg)
@@ -266,9 +314,50 @@ class MasterState:
             log.info(
                 "node registered",
                 extra={"node_id": node_id, "address": address, "segments": len(segments),
-                       "inventory": len(inventory), "restored": restored},
+                       "inventory": len(inventory), "restored": restored, "dropped": dropped},
             )
-            return restored
+            return Registration(restored, dropped)
+
+    def _reconcile_restart(self, node: Node, inventory: Sequence[pb.InventoryItem]) -> int:
+        """The node's process restarted (same id and segments, new incarnation).
+
+        Its new process holds exactly what it reports, so every replica recorded on it that
+        the inventory does not list (same key, segment, offset, size and checksum) is dropped
+        now, instead of living on as a phantom that `exists` reports and every read misses.
+        Puts that were writing to the old process and copies it was asked to make are
+        cancelled (their bytes went to memory that no longer exists); commands queued for the
+        old process are discarded and its command stream is ended.
+        """
+        held = {(it.key, it.segment, it.offset, it.size, it.checksum) for it in inventory}
+        for cp in [c for c in self._copies.values() if c.node is node]:
+            del self._copies[cp.cmd_id]
+            self._cancel_copy(cp)
+        for put in [p for p in self._pending.values() if any(r.seg.node is node for r in p.reps)]:
+            log.info("put cancelled: its node restarted",
+                     extra={"key": put.key, "put_id": put.put_id, "node_id": node.node_id})
+            self._end_pending(put)
+        dropped = 0
+        for seg in node.segments:
+            for obj in list(seg.lru.values()):
+                rep = next(r for r in obj.reps if r.seg is seg)
+                if (obj.key, seg.name, rep.offset, obj.size, obj.checksum) not in held:
+                    self._drop_rep(obj, rep, _EV.EVICTED)
+                    dropped += 1
+        node.commands.clear()
+        node.stream += 1
+        self._cond.notify_all()
+        log.warning(
+            "node restarted: replicas it no longer holds dropped",
+            extra={"node_id": node.node_id, "replicas": dropped, "inventory": len(inventory)},
+        )
+        return dropped
+
+    def _cancel_copy(self, cp: Copy) -> None:
+        """Forget a copy without touching its source replica; the destination is freed."""
+        cp.obj.copying = False
+        if cp.kind == "spill":
+            cp.src.seg.spilling -= cp.src.seg.alloc.rounded(cp.obj.size)
+        self._free_rep(cp.obj, cp.dst, committed=False)
 
     def _restore(self, node: Node, item: pb.InventoryItem) -> int:
         seg = self._segments.get(item.segment)
@@ -454,7 +543,7 @@ class MasterState:
         client_host_id: str = "",
     ) -> pb.PutStartResponse:
         """Allocate space for a new object. `exists=True` (put_id 0) when the key is already
-        stored or another put of it is in progress."""
+        stored, or (with `in_progress`) another put of it holds a live claim on the key."""
         check_key(key)
         if replicas == 0:
             replicas = 1
@@ -469,12 +558,23 @@ class MasterState:
         if placement not in (pb.PLACEMENT_UNSPECIFIED, pb.LOCAL_FIRST, pb.PREFERRED, pb.MOST_FREE):
             raise InvalidArgument(f"unknown placement {placement}")
         with self._op():
-            if key in self._objects or key in self._pending_keys:
+            if key in self._objects:
                 return pb.PutStartResponse(exists=True)
+            now = self._now()
+            claimant = self._pending.get(self._pending_keys.get(key, 0))
+            if claimant is not None:
+                if claimant.claim_until > now:
+                    return pb.PutStartResponse(exists=True, in_progress=True)
+                log.info(
+                    "put claim lapsed: another writer takes the key over",
+                    extra={"key": key, "put_id": claimant.put_id},
+                )
             reps = self._place(size, replicas, placement, preferred_segment, client_host_id)
             put_id = next(self._ids)
+            claim = min(self.put_timeout_s,
+                        self.put_claim_s + size * replicas / CLAIM_BYTES_PER_S)
             self._pending[put_id] = Pending(
-                put_id, key, size, reps, self._now() + self.put_timeout_s
+                put_id, key, size, reps, now + self.put_timeout_s, now + claim
             )
             self._pending_keys[key] = put_id
             return pb.PutStartResponse(put_id=put_id, replicas=[rep_pb(r) for r in reps])
@@ -586,8 +686,13 @@ class MasterState:
                 )
             if put.key != key:
                 raise InvalidArgument(f"put {put_id} is for another key")
-            del self._pending[put_id]
-            del self._pending_keys[key]
+            if key in self._objects:
+                self._end_pending(put)
+                raise PutSuperseded(
+                    f"object {key!r} was stored by another writer whose put ended first "
+                    f"(the claim of put {put_id} had lapsed); nothing more to write"
+                )
+            self._end_pending(put, free=False)
             obj = Obj(key, put.size, checksum, put.reps)
             self._changed(obj)
             self._objects[key] = obj
@@ -607,13 +712,14 @@ class MasterState:
                 raise InvalidArgument(f"put {put_id} is for another key")
             self._end_pending(put)
 
-    def _end_pending(self, put: Pending) -> None:
+    def _end_pending(self, put: Pending, free: bool = True) -> None:
         self._pending.pop(put.put_id, None)
         if self._pending_keys.get(put.key) == put.put_id:
             del self._pending_keys[put.key]
-        for rep in put.reps:
-            if rep.seg.alive:
-                rep.seg.alloc.free(rep.offset)
+        if free:
+            for rep in put.reps:
+                if rep.seg.alive:
+                    rep.seg.alloc.free(rep.offset)
 
     def batch_put_start(self, items: Sequence[pb.PutStartRequest]) -> list[pb.PutStartResult]:
         out = []
@@ -632,17 +738,29 @@ class MasterState:
                 out.append(pb.PutStartResult(error=str(e), error_code="NO_SPACE"))
         return out
 
-    def batch_put_end(self, items: Sequence[pb.PutEndRequest]) -> list[str]:
-        errors = []
+    def batch_put_end(self, items: Sequence[pb.PutEndRequest]) -> pb.BatchPutEndResponse:
+        """`put_end` of each item; an error message and code per item ("" when it ended)."""
+        errors: list[str] = []
+        codes: list[str] = []
         for it in items:
+            code = ""
             try:
                 self.put_end(it.key, it.put_id, it.checksum)
                 errors.append("")
+            except PutSuperseded as e:
+                errors.append(str(e))
+                code = "EXISTS"
+            except PutNotFound as e:
+                errors.append(str(e))
+                code = "NOT_FOUND"
             except StoreError as e:
                 errors.append(str(e))
+                code = "ERROR"
             except InvalidArgument as e:
                 errors.append(str(e))
-        return errors
+                code = "INVALID"
+            codes.append(code)
+        return pb.BatchPutEndResponse(errors=errors, error_codes=codes)
 
     # -- reads -----------------------------------------------------------------------------
 

@@ -3,7 +3,11 @@
 It is deliberately passive. The master decides what lives where; the node keeps an inventory
 of the objects in its segments (learned from the master's COMMITTED/FREED commands) so that a
 restarted master can rebuild its metadata from the nodes, and it performs the local copies the
-master asks for (DRAM -> SSD spills, SSD -> DRAM promotions). Clients read and write the
+master asks for (DRAM -> SSD spills, SSD -> DRAM promotions).
+
+Each process registers with a fresh random incarnation id: when a node restarts under the same
+node id, the master sees the new incarnation and drops whatever the old process held that the
+new one does not report, instead of keeping phantom objects. Clients read and write the
 segments directly: through /dev/shm on the same host, or through the TCP transfer server.
 """
 
@@ -14,6 +18,7 @@ import logging
 import os
 import signal
 import threading
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +36,11 @@ from mooncake_k8s.transfer import Segment, Tier, TransferServer
 log = logging.getLogger(__name__)
 
 _TIER_PB = {Tier.DRAM: pb.DRAM, Tier.SSD: pb.SSD}
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
 
 
 @dataclass
@@ -110,7 +120,10 @@ class StorageNode:
         self._threads: list[threading.Thread] = []
         self._server: TransferServer | None = None
         self.metrics_port: int | None = None
-        self._channel = grpc.insecure_channel(config.master)
+        self.incarnation = uuid.uuid4().hex
+        # Reconnect quickly after the master restarts: it answers nothing authoritative until
+        # its known nodes re-registered, so every node's delay is everyone's delay.
+        self._channel = grpc.insecure_channel(config.master, options=RECONNECT_OPTIONS)
         self._stub: Any = pb_grpc.MasterStub(self._channel)  # type: ignore[no-untyped-call]
         self._md = auth.call_metadata(config.token)
 
@@ -193,7 +206,7 @@ class StorageNode:
         resp = self._stub.RegisterNode(
             pb.RegisterNodeRequest(
                 node_id=self.config.node_id, address=self.address, host_id=self.config.host_id,
-                segments=segments, inventory=inventory,
+                segments=segments, inventory=inventory, incarnation=self.incarnation,
             ),
             metadata=self._md, timeout=10,
         )
@@ -203,7 +216,8 @@ class StorageNode:
         log.info(
             "registered with master",
             extra={"master_id": resp.master_id, "inventory": len(inventory),
-                   "restored": resp.restored_objects},
+                   "restored": resp.restored_objects, "dropped": resp.dropped_replicas,
+                   "incarnation": self.incarnation},
         )
 
     def _session_loop(self) -> None:

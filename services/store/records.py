@@ -27,11 +27,14 @@ MISS = b"\x0a\x00"  # GetReplicasResponse.objects entry for ObjectReplicas(found
 
 
 class Node:
-    __slots__ = ("address", "alive", "commands", "host_id", "last_seen", "node_id", "segments",
-                 "stream")
+    __slots__ = ("address", "alive", "commands", "host_id", "incarnation", "last_seen", "node_id",
+                 "segments", "stream")
 
-    def __init__(self, node_id: str, address: str, host_id: str, now: float) -> None:
+    def __init__(
+        self, node_id: str, address: str, host_id: str, now: float, incarnation: str = ""
+    ) -> None:
         self.node_id = node_id
+        self.incarnation = incarnation  # the node process's random id; "" from old nodes
         self.address = address
         self.host_id = host_id
         self.last_seen = now
@@ -86,14 +89,18 @@ class Obj:
 
 
 class Pending:
-    __slots__ = ("deadline", "key", "put_id", "reps", "size")
+    __slots__ = ("claim_until", "deadline", "key", "put_id", "reps", "size")
 
-    def __init__(self, put_id: int, key: str, size: int, reps: list[Rep], deadline: float) -> None:
+    def __init__(
+        self, put_id: int, key: str, size: int, reps: list[Rep], deadline: float,
+        claim_until: float,
+    ) -> None:
         self.put_id = put_id
         self.key = key
         self.size = size
         self.reps = reps
-        self.deadline = deadline
+        self.deadline = deadline  # the space is reclaimed then unless the put ended
+        self.claim_until = claim_until  # until then no other writer may start this key
 
 
 class Lease:

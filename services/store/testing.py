@@ -52,12 +52,20 @@ def metric_value(text: str, name: str, labels: str = "") -> float:
     return total
 
 
+def _with_metrics_port(args: list[str], port: int) -> list[str]:
+    i = args.index("--metrics-port")
+    return [*args[: i + 1], str(port), *args[i + 2 :]]
+
+
 @dataclass
 class StoreCluster:
     """Master and nodes as real processes. Use as a context manager."""
 
     token: str = "test-token"
     master_args: list[str] = field(default_factory=list)
+    master_state: bool = True
+    """Give the master a --state-dir under `workdir`: a first start is then not gated, and a
+    restart waits exactly for the nodes it knew (see `store.recovery`)."""
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="mc-store-")))
     master_port: int = field(default_factory=free_port)
     master: Proc | None = None
@@ -81,6 +89,8 @@ class StoreCluster:
         mport = free_port()
         args = ["master", "--port", str(self.master_port), "--metrics-port", str(mport),
                 *self.master_args, *extra]
+        if self.master_state:
+            args += ["--state-dir", str(self.workdir / "master-state")]
         self.master = self._spawn("master", args, mport)
         self.wait_master()
         return self.master
@@ -96,6 +106,40 @@ class StoreCluster:
         if wait:
             self.wait_nodes(len([n for n in self.nodes.values() if n.alive()]))
         return proc
+
+    def restart_node(self, node_id: str, sig: int = signal.SIGKILL) -> Proc:
+        """Kill a node's process and start a new one with the same id and arguments; returns
+        once the new process has registered with the master."""
+        old = self.nodes[node_id]
+        self.kill(old, sig)
+        mport = free_port()
+        proc = self._spawn(f"node-{node_id}", _with_metrics_port(old.args, mport), mport)
+        self.nodes[node_id] = proc
+        self.wait_registered(proc)
+        return proc
+
+    def wait_registered(self, proc: Proc, timeout: float = 30.0) -> None:
+        """Until `proc` (a node) has registered with a master at least once."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                raise RuntimeError(f"{proc.name} exited:\n{proc.log()[-3000:]}")
+            with contextlib.suppress(OSError):
+                if metric_value(proc.metrics(), "mooncake_node_registrations_total") >= 1:
+                    return
+            time.sleep(0.05)
+        raise TimeoutError(f"{proc.name} did not register within {timeout}s")
+
+    def restart_master(self, *extra: str, wait: bool = True) -> Proc:
+        """Kill the master (SIGKILL: no goodbye) and start a new one on the same port."""
+        assert self.master is not None
+        self.kill(self.master)
+        mport = free_port()
+        args = [*_with_metrics_port(self.master.args, mport), *extra]
+        self.master = self._spawn("master", args, mport)
+        if wait:
+            self.wait_master()
+        return self.master
 
     def client(self, **kwargs: object) -> StoreClient:
         return StoreClient(self.master_address, self.token, **kwargs)  # type: ignore[arg-type]

@@ -74,28 +74,32 @@ class InventoryItem(_message.Message):
     def __init__(self, key: _Optional[str] = ..., segment: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
 
 class RegisterNodeRequest(_message.Message):
-    __slots__ = ("node_id", "address", "host_id", "segments", "inventory")
+    __slots__ = ("node_id", "address", "host_id", "segments", "inventory", "incarnation")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     INVENTORY_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     address: str
     host_id: str
     segments: _containers.RepeatedCompositeFieldContainer[SegmentInfo]
     inventory: _containers.RepeatedCompositeFieldContainer[InventoryItem]
-    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., host_id: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., inventory: _Optional[_Iterable[_Union[InventoryItem, _Mapping]]] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., host_id: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[SegmentInfo, _Mapping]]] = ..., inventory: _Optional[_Iterable[_Union[InventoryItem, _Mapping]]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
-    __slots__ = ("master_id", "heartbeat_interval_ms", "restored_objects")
+    __slots__ = ("master_id", "heartbeat_interval_ms", "restored_objects", "dropped_replicas")
     MASTER_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     RESTORED_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_REPLICAS_FIELD_NUMBER: _ClassVar[int]
     master_id: str
     heartbeat_interval_ms: int
     restored_objects: int
-    def __init__(self, master_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., restored_objects: _Optional[int] = ...) -> None: ...
+    dropped_replicas: int
+    def __init__(self, master_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., restored_objects: _Optional[int] = ..., dropped_replicas: _Optional[int] = ...) -> None: ...
 
 class SegmentUsage(_message.Message):
     __slots__ = ("name", "used")
@@ -194,14 +198,16 @@ class PutStartRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., replicas: _Optional[int] = ..., placement: _Optional[_Union[Placement, str]] = ..., preferred_segment: _Optional[str] = ..., client_host_id: _Optional[str] = ...) -> None: ...
 
 class PutStartResponse(_message.Message):
-    __slots__ = ("put_id", "replicas", "exists")
+    __slots__ = ("put_id", "replicas", "exists", "in_progress")
     PUT_ID_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     EXISTS_FIELD_NUMBER: _ClassVar[int]
+    IN_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     put_id: int
     replicas: _containers.RepeatedCompositeFieldContainer[Replica]
     exists: bool
-    def __init__(self, put_id: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., exists: _Optional[bool] = ...) -> None: ...
+    in_progress: bool
+    def __init__(self, put_id: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., exists: _Optional[bool] = ..., in_progress: _Optional[bool] = ...) -> None: ...
 
 class PutEndRequest(_message.Message):
     __slots__ = ("key", "put_id", "checksum")
@@ -258,10 +264,12 @@ class BatchPutEndRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[PutEndRequest, _Mapping]]] = ...) -> None: ...
 
 class BatchPutEndResponse(_message.Message):
-    __slots__ = ("errors",)
+    __slots__ = ("errors", "error_codes")
     ERRORS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODES_FIELD_NUMBER: _ClassVar[int]
     errors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, errors: _Optional[_Iterable[str]] = ...) -> None: ...
+    error_codes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, errors: _Optional[_Iterable[str]] = ..., error_codes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GetReplicasRequest(_message.Message):
     __slots__ = ("keys", "lease_ms", "client_host_id")
@@ -408,7 +416,7 @@ class SegmentStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., node_id: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., size: _Optional[int] = ..., used: _Optional[int] = ..., objects: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("master_id", "objects", "pending_puts", "nodes", "segments", "evictions", "spills", "promotions", "meta_bytes_estimate")
+    __slots__ = ("master_id", "objects", "pending_puts", "nodes", "segments", "evictions", "spills", "promotions", "meta_bytes_estimate", "recovering")
     MASTER_ID_FIELD_NUMBER: _ClassVar[int]
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     PENDING_PUTS_FIELD_NUMBER: _ClassVar[int]
@@ -418,6 +426,7 @@ class StatsResponse(_message.Message):
     SPILLS_FIELD_NUMBER: _ClassVar[int]
     PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
     META_BYTES_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
+    RECOVERING_FIELD_NUMBER: _ClassVar[int]
     master_id: str
     objects: int
     pending_puts: int
@@ -427,4 +436,5 @@ class StatsResponse(_message.Message):
     spills: int
     promotions: int
     meta_bytes_estimate: int
-    def __init__(self, master_id: _Optional[str] = ..., objects: _Optional[int] = ..., pending_puts: _Optional[int] = ..., nodes: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., evictions: _Optional[int] = ..., spills: _Optional[int] = ..., promotions: _Optional[int] = ..., meta_bytes_estimate: _Optional[int] = ...) -> None: ...
+    recovering: bool
+    def __init__(self, master_id: _Optional[str] = ..., objects: _Optional[int] = ..., pending_puts: _Optional[int] = ..., nodes: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., evictions: _Optional[int] = ..., spills: _Optional[int] = ..., promotions: _Optional[int] = ..., meta_bytes_estimate: _Optional[int] = ..., recovering: _Optional[bool] = ...) -> None: ...

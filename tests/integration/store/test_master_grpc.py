@@ -28,7 +28,7 @@ KiB = 1 << 10
 def server() -> Iterator[MasterServer]:
     srv = MasterServer(
         MasterConfig(host="127.0.0.1", port=0, token=TOKEN, metrics_port=0, node_timeout_s=2,
-                     tick_interval_s=0.02)
+                     tick_interval_s=0.02, recovery_grace_s=0)
     )
     srv.start()
     try:

@@ -43,7 +43,7 @@ def node(st: MasterState, node_id: str, dram: int = 64 * KiB, ssd: int = 0, host
     if ssd:
         segs.append(seg(f"{node_id}-ssd-0", ssd, pb.SSD))
     address = f"127.0.0.1:{7000 + len(node_id)}"
-    return st.register_node(node_id, address, host, segs, inventory or [])
+    return st.register_node(node_id, address, host, segs, inventory or []).restored
 
 
 def put(st: MasterState, key: str, size: int = KiB, **kw: object) -> pb.PutStartResponse:
@@ -140,11 +140,12 @@ def test_batch_forms(clock: Clock) -> None:
         pb.PutStartRequest(key="w", size=60 * KiB),
     ])
     assert [r.error_code for r in res] == ["", "INVALID", "TOO_LARGE", "", "NO_SPACE"]
-    errs = st.batch_put_end([
+    ends = st.batch_put_end([
         pb.PutEndRequest(key="x", put_id=res[0].ok.put_id, checksum=1),
         pb.PutEndRequest(key="q", put_id=999999),
     ])
-    assert errs[0] == "" and "unknown" in errs[1]
+    assert ends.errors[0] == "" and "unknown" in ends.errors[1]
+    assert list(ends.error_codes) == ["", "NOT_FOUND"]
     assert st.exists(["x", "z"]) == ([True, False], 1)
 
 
