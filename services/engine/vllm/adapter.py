@@ -83,11 +83,18 @@ class _Vllm:
         return self.server.failure()
 
     def counters(self) -> list[EngineCounter]:
-        """What the KV connector in vLLM's worker did with blocks."""
-        return [EngineCounter("mooncake_vllm_kv_blocks_total",
-                              "KV blocks the vLLM connector moved, by outcome", float(v),
-                              {"outcome": k})
-                for k, v in sorted(self.server.connector_stats().items())]
+        """What the KV connector in vLLM's processes did: blocks moved by outcome, and how
+        requests learnt what the pool holds (the plan, or a lookup of its own)."""
+        stats = self.server.connector_stats()
+        out = [EngineCounter("mooncake_vllm_kv_blocks_total",
+                             "KV blocks the vLLM connector moved, by outcome",
+                             float(stats.get(k, 0)), {"outcome": k})
+               for k in ("loaded", "rejected", "missing", "saved", "save_failed")]
+        out += [EngineCounter("mooncake_vllm_pool_queries_total",
+                              "Requests whose pool prefix came from the plan or a lookup",
+                              float(stats.get(k, 0)), {"source": k})
+                for k in ("planned", "lookups")]
+        return out
 
     def _check(self, e: Exception) -> Exception:
         """An error from vLLM as ours: its 4xx is the request's fault, anything else the

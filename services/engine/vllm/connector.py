@@ -120,16 +120,18 @@ class MooncakeK8sConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._fingerprint = str(extra["fingerprint"])
         self._store: Any = None
         self._store_lock = threading.Lock()
+        self._stats: dict[str, int] = {}
+        prefix = extra.get("stats_prefix")
+        self._stats_file = f"{prefix}.{os.getpid()}.json" if prefix else None
         if role == KVConnectorRole.SCHEDULER:
             self._reqs: dict[str, _Req] = {}
+            self._stats.update(lookups=0, planned=0)
             self._write_identity(extra.get("identity_file"))
         else:
             self._paged: PagedKV | None = None
             self._layout: BlockLayout | None = None
             self._errors: set[int] = set()
-            self._stats = {"loaded": 0, "rejected": 0, "missing": 0, "saved": 0,
-                           "save_failed": 0}
-            self._stats_file = extra.get("stats_file")
+            self._stats.update(loaded=0, rejected=0, missing=0, saved=0, save_failed=0)
             self._staging = np.empty(0, dtype=np.uint8)
 
     # -- shared ----------------------------------------------------------------------------
@@ -181,6 +183,8 @@ class MooncakeK8sConnector(KVConnectorBase_V1):  # type: ignore[misc]
         reuse = params.get("reuse")
         if reuse is not None:  # the plan says how much the pool holds: do not ask again
             pool = min(int(reuse), len(keys))
+            self._stats["planned"] += 1
+            self._flush_stats()
         else:
             pool = self._lookup(keys) if params.get("lookup", True) else 0
         st = _Req(keys, len(prompt), pool, str(params.get("write_segment", "")),
@@ -192,6 +196,8 @@ class MooncakeK8sConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _lookup(self, keys: list[str]) -> int:
         if not keys:
             return 0
+        self._stats["lookups"] += 1
+        self._flush_stats()
         try:
             return int(self._client().prefix_len(keys))
         except MooncakeError as e:
@@ -365,7 +371,8 @@ class MooncakeK8sConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return errors
 
     def _flush_stats(self) -> None:
-        """Counters for the worker process that started vLLM (it exports them as metrics)."""
+        """Counters for the worker process that started vLLM (it exports them as metrics):
+        one small file per vLLM process, replaced whole."""
         if not self._stats_file:
             return
         tmp = f"{self._stats_file}.{os.getpid()}.tmp"

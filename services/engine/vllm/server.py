@@ -17,12 +17,13 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,7 +91,7 @@ class VllmServer:
         self.port = free_port("127.0.0.1")
         self.dir = Path(cfg.work_dir or tempfile.mkdtemp(prefix=f"mooncake-vllm-{cfg.role}-"))
         self.identity_file = self.dir / "identity.json"
-        self.stats_file = self.dir / "connector-stats.json"
+        self.stats_prefix = self.dir / "connector-stats"
         self.proc: subprocess.Popen[bytes] | None = None
         self.identity: dict[str, Any] = {}
         self.max_model_len = 0
@@ -102,7 +103,8 @@ class VllmServer:
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
                 "master": c.master, "fingerprint": c.fingerprint, "transport": c.transport,
-                "identity_file": str(self.identity_file), "stats_file": str(self.stats_file),
+                "identity_file": str(self.identity_file),
+                "stats_prefix": str(self.stats_prefix),
             },
         }
         return [c.python, "-m", "vllm.entrypoints.openai.api_server",
@@ -153,6 +155,8 @@ class VllmServer:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
             p.wait(5)
+        if self.cfg.work_dir is None:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
     # -- HTTP ------------------------------------------------------------------------------
 
@@ -177,7 +181,8 @@ class VllmServer:
         out: dict[str, Any] = json.loads(self.request("POST", "/v1/completions", body)[1])
         return out
 
-    def stream(self, body: dict[str, Any], timeout: float = 600.0) -> Iterator[dict[str, Any]]:
+    def stream(self, body: dict[str, Any], timeout: float = 600.0
+               ) -> Generator[dict[str, Any], None, None]:
         """The chunks of a streamed completion; closing the generator hangs up, which makes
         vLLM abort the request (and free its KV)."""
         conn = self._conn(timeout)
@@ -205,10 +210,15 @@ class VllmServer:
         return self.request("GET", "/metrics", timeout=5)[1].decode()
 
     def connector_stats(self) -> dict[str, int]:
-        try:
-            return {k: int(v) for k, v in json.loads(self.stats_file.read_text()).items()}
-        except (OSError, ValueError):
-            return {}
+        """The KV connector's counters, summed over vLLM's processes."""
+        total: dict[str, int] = {}
+        for f in self.dir.glob(f"{self.stats_prefix.name}.*.json"):
+            try:
+                for k, v in json.loads(f.read_text()).items():
+                    total[k] = total.get(k, 0) + int(v)
+            except (OSError, ValueError):
+                continue  # replaced while we read it; the next scrape sees it
+        return total
 
 
 def _error_message(raw: bytes) -> str:

@@ -141,13 +141,13 @@ def test_local_model_directory(tmp_path: Path) -> None:
 
     d = _tiny_dir(tmp_path, "my-model")
     torch.manual_seed(1)
-    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(d)
+    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(d)  # type: ignore[no-untyped-call]
     eng = load_engine(EngineConfig(model=str(d)), progress=False)
     assert eng.served_name == "my-model"
     assert eng.fingerprint == loading.fingerprint_dir(d)
     assert eng.chat_tokens([{"role": "user", "content": "hi"}])
     torch.manual_seed(2)
-    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(d)
+    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(d)  # type: ignore[no-untyped-call]
     assert loading.fingerprint_dir(d) != eng.fingerprint, "new weights, new identity"
 
 
