@@ -12,6 +12,11 @@ Retries: a master that is restarting or rebuilding its metadata answers UNAVAILA
 the master refused on purpose while rebuilding (it did nothing). A put whose outcome is unknown
 (the connection broke mid-call) is not retried blindly.
 
+Failover: each transfer attempt is bounded by `attempt_timeout_s` (about a second: connecting,
+the handshake, and any send or receive that stalls), far below the whole call's `timeout_s`, so
+a paused or black-holed replica costs about one attempt before the next replica is read; the
+failed peer is then read last for a few seconds (`failover.PeerHealth`).
+
 Location cache: a lookup's read lease guarantees the master will neither free nor evict the
 object's space until it expires, so the client may reuse the replica list until shortly before
 then without asking again. That turns a repeated get into a pure data-path copy. The checksum
@@ -48,6 +53,7 @@ from mooncake_k8s.common.errors import (
 from mooncake_k8s.common.netutil import local_host_id
 from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.common.rpc import store_pb2_grpc as pb_grpc
+from mooncake_k8s.store.failover import PeerHealth
 from mooncake_k8s.transfer import Peer, ReadOp, SegmentDesc, Tier, TransferEngine, WriteOp
 
 _PLACEMENTS = {
@@ -114,7 +120,9 @@ class StoreClient:
 
     `transport` forces "shm" or "tcp" (benchmarks, tests); "auto" picks shm for same-host
     replicas. `lease_ms` is the read lease asked for on lookups; `location_cache=False` makes
-    every get ask the master.
+    every get ask the master. `timeout_s` bounds a whole call (master retries included);
+    `attempt_timeout_s` bounds one transfer attempt against one replica's node without
+    progress, and `suspect_s` is how long a node that failed one is read last.
     """
 
     def __init__(
@@ -128,11 +136,20 @@ class StoreClient:
         location_cache: bool = True,
         cache_entries: int = 100_000,
         timeout_s: float = 10.0,
+        attempt_timeout_s: float = 1.0,
+        suspect_s: float = 5.0,
         verify: bool = True,
         host_id: str | None = None,
     ) -> None:
         if transport not in ("auto", "shm", "tcp"):
             raise InvalidArgument(f"transport must be auto, shm or tcp, not {transport!r}")
+        if timeout_s <= 0 or not 0 < attempt_timeout_s <= timeout_s:
+            raise InvalidArgument(
+                f"need 0 < attempt_timeout_s <= timeout_s, got {attempt_timeout_s} and {timeout_s}"
+            )
+        if suspect_s < 0:
+            raise InvalidArgument(f"suspect_s must be >= 0, got {suspect_s}")
+        self._health = PeerHealth(suspect_s)
         self._host_id = host_id or local_host_id()
         self._channel = grpc.insecure_channel(
             master,
@@ -155,7 +172,7 @@ class StoreClient:
         self._cache_lock = threading.Lock()
         self.engine = TransferEngine(
             token, host_id=self._host_id, connections_per_peer=connections_per_peer,
-            transport=transport, timeout_s=timeout_s,
+            transport=transport, timeout_s=timeout_s, io_timeout_s=attempt_timeout_s,
         )
 
     def close(self) -> None:
@@ -250,7 +267,7 @@ class StoreClient:
             try:
                 got = self.engine.write(peer, [op for _, op in items], with_checksum=True)
             except TransferError as e:
-                self.engine.forget(peer)
+                self._failed(peer)
                 for i, _ in items:
                     failed.add(i)
                     results[i] = e
@@ -347,10 +364,11 @@ class StoreClient:
     ) -> list[int]:
         """Read each object's nearest replica, grouped by peer; returns indexes that failed."""
         by_peer: dict[str, tuple[Peer, list[tuple[int, ReadOp]]]] = {}
+        order = self._health.order
         for i, info in enumerate(infos):
             if info is None or not info.replicas:
                 continue
-            loc = info.replicas[replica_index]
+            loc = order(info.replicas)[replica_index]
             entry = by_peer.setdefault(loc.peer.address, (loc.peer, []))
             entry[1].append((i, ReadOp(loc.segment, loc.offset, views[i][: info.size])))
         failed: list[int] = []
@@ -358,9 +376,10 @@ class StoreClient:
             try:
                 sums = self.engine.read(peer, [op for _, op in items], with_checksum=self._verify)
             except TransferError:
-                self.engine.forget(peer)
+                self._failed(peer)
                 failed.extend(i for i, _ in items)
                 continue
+            self._health.succeeded(peer.address)
             for n, (i, _) in enumerate(items):
                 info = infos[i]
                 assert info is not None
@@ -370,16 +389,21 @@ class StoreClient:
                     out[i] = info.size
         return failed
 
+    def _failed(self, peer: Peer) -> None:
+        self.engine.forget(peer)
+        self._health.failed(peer.address)
+
     def _read_any(self, key: str, info: ObjectInfo, view: memoryview) -> int | None:
-        for loc in info.replicas:
+        for loc in self._health.order(info.replicas):
             try:
                 sums = self.engine.read(
                     loc.peer, [ReadOp(loc.segment, loc.offset, view[: info.size])],
                     with_checksum=self._verify,
                 )
             except TransferError:
-                self.engine.forget(loc.peer)
+                self._failed(loc.peer)
                 continue
+            self._health.succeeded(loc.peer.address)
             if sums is None or sums[0] == info.checksum:
                 return info.size
         self._forget(key)

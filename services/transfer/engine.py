@@ -45,7 +45,12 @@ def _rdma_status() -> RdmaStatus:
 
 
 class TransferEngine:
-    """Moves bytes between caller buffers and peers' segments. Thread-safe."""
+    """Moves bytes between caller buffers and peers' segments. Thread-safe.
+
+    `io_timeout_s` (default: `timeout_s`) is how long a TCP peer may make no progress before
+    the operation fails with `TransferTimeout`; callers with another replica to read keep it
+    short (see `TcpTransport`).
+    """
 
     def __init__(
         self,
@@ -55,6 +60,7 @@ class TransferEngine:
         connections_per_peer: int = 4,
         transport: str = "auto",
         timeout_s: float = 30.0,
+        io_timeout_s: float | None = None,
     ) -> None:
         if transport not in TRANSPORTS:
             raise InvalidArgument(f"transport must be one of {TRANSPORTS}, not {transport!r}")
@@ -65,6 +71,7 @@ class TransferEngine:
         self._token = token
         self._conns = connections_per_peer
         self._timeout = timeout_s
+        self._io_timeout = io_timeout_s
         self._lock = threading.Lock()
         self._tcp: dict[str, TcpTransport] = {}
         self._shm: dict[str, ShmTransport] = {}
@@ -96,7 +103,8 @@ class TransferEngine:
                     raise InvalidArgument("transfer engine is closed")
                 t = self._tcp.get(peer.address)
                 if t is None:
-                    t = TcpTransport(peer.address, self._token, self._conns, self._timeout)
+                    t = TcpTransport(peer.address, self._token, self._conns, self._timeout,
+                                     self._io_timeout)
                     self._tcp[peer.address] = t
         return t
 

@@ -78,10 +78,16 @@ class TcpTransport:
 
     Thread-safe: each call checks out the connections it uses. A batch is pipelined (requests
     sent in windows, then responses read in order); large batches spread over the pool.
+
+    Two limits: `io_timeout_s` bounds connecting, the handshake, and every send or receive that
+    makes no progress, so a paused or black-holed peer fails fast (`TransferTimeout`) while a
+    large transfer that keeps moving is never cut short; `timeout_s` bounds waiting for a free
+    connection of the pool, which is contention, not a sick peer.
     """
 
     def __init__(
-        self, address: str, token: str, connections: int = 4, timeout_s: float = 30.0
+        self, address: str, token: str, connections: int = 4, timeout_s: float = 30.0,
+        io_timeout_s: float | None = None,
     ) -> None:
         try:
             self._host, self._port = split_address(address)
@@ -89,10 +95,13 @@ class TcpTransport:
             raise InvalidArgument(str(e)) from e
         if connections < 1:
             raise InvalidArgument("connections must be >= 1")
+        if timeout_s <= 0 or (io_timeout_s is not None and io_timeout_s <= 0):
+            raise InvalidArgument("transfer timeouts must be > 0 s")
         self.address = address
         self._token = token
         self._hello = encode_hello(token)
         self._timeout = timeout_s
+        self._io_timeout = io_timeout_s if io_timeout_s is not None else timeout_s
         self._slots: list[_Conn | None] = [None] * connections
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -155,9 +164,9 @@ class TcpTransport:
                 with contextlib.suppress(OSError):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
-                sock.settimeout(self._timeout)
+                sock.settimeout(self._io_timeout)
                 sock.connect(sa)
-                tune(sock, self._timeout)
+                tune(sock, self._io_timeout)
                 break
             except OSError as e:
                 sock.close()
