@@ -94,6 +94,11 @@ class _Metrics:
         self.registrations = Counter(
             "mooncake_node_registrations_total", "Registrations with a master", registry=registry
         )
+        self.handshakes = Counter(
+            "mooncake_node_transfer_handshakes_total",
+            "Transfer connections by front-door outcome (accepted, authenticated, evicted, "
+            "timed_out, rejected, busy)", ["result"], registry=registry,
+        )
 
 
 @dataclass
@@ -139,7 +144,8 @@ class StorageNode:
             ssd = Segment.create_file(f"{cfg.node_id}-ssd-0", cfg.ssd_dir, cfg.ssd_size)
             self._add_segment(ssd)
         self._server = TransferServer(
-            self.segments, cfg.host, cfg.port, cfg.token, on_bytes=self._on_bytes
+            self.segments, cfg.host, cfg.port, cfg.token, on_bytes=self._on_bytes,
+            on_event=lambda kind: self.metrics.handshakes.labels(kind).inc(),
         )
         self._server.start()
         if cfg.metrics_port is not None:

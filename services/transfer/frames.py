@@ -6,8 +6,9 @@ Handshake (once per connection, client first)::
     HELLO_REPLY  4s magic b"MCTE" | u16 version | u8 status | pad | u16 msg_len | msg (utf-8)
 
 The server answers ``HELLO_OK`` or an error status with a message, and closes the connection
-after an error (wrong token, unsupported version). Bad magic or a truncated hello: it just
-closes. The token is compared in constant time and never logged.
+after an error (wrong token, unsupported version, ``HELLO_BUSY`` when it is at its connection
+limit). Bad magic, a truncated hello, or a hello not complete within the server's handshake
+deadline: it just closes. The token is compared in constant time and never logged.
 
 Requests (client -> server), any number pipelined on one connection::
 
@@ -54,7 +55,8 @@ OPS = {OP_READ: "READ", OP_WRITE: "WRITE"}
 HELLO_OK = 0
 HELLO_AUTH_FAILED = 1
 HELLO_BAD_VERSION = 2
-HELLO_STATUSES = {HELLO_OK, HELLO_AUTH_FAILED, HELLO_BAD_VERSION}
+HELLO_BUSY = 3  # authenticated, but the server is at its connection limit: retry later
+HELLO_STATUSES = {HELLO_OK, HELLO_AUTH_FAILED, HELLO_BAD_VERSION, HELLO_BUSY}
 
 ST_OK = 0
 ST_UNKNOWN_SEGMENT = 1

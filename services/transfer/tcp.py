@@ -24,6 +24,7 @@ from mooncake_k8s.common.netutil import split_address
 
 from .frames import (
     HELLO_AUTH_FAILED,
+    HELLO_BUSY,
     HELLO_OK,
     HELLO_REPLY,
     OP_READ,
@@ -192,6 +193,8 @@ class TcpTransport:
         conn.close()
         if status == HELLO_AUTH_FAILED:
             raise AuthError(f"transfer peer {self.address} rejected the cluster token")
+        if status == HELLO_BUSY:
+            raise TransferError(f"transfer peer {self.address} is at its connection limit: {msg}")
         raise ProtocolError(f"transfer peer {self.address} refused the handshake: {msg}")
 
     def _wrap(self, e: BaseException) -> TransferError:

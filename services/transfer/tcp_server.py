@@ -2,8 +2,12 @@
 
 Wire format: see `frames`. The server `recv_into`s WRITE payloads straight into the segment and
 sends READ payloads from it with `sendmsg` (header and payload in one gather), so data never
-takes an intermediate copy. An idle connection (between frames) never times out; one that stalls
-in the middle of a frame is closed.
+takes an intermediate copy.
+
+Connections are accepted and authenticated by `admission.FrontDoor` on one thread, with a small
+budget and a deadline of their own; only authenticated connections get a serving thread and
+count against `max_connections`. A served connection that stalls in the middle of a frame for
+`io_timeout_s` is closed, and so is one idle between frames for `idle_timeout_s`.
 """
 
 from __future__ import annotations
@@ -15,14 +19,10 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from mooncake_k8s.common.auth import token_matches
 from mooncake_k8s.common.errors import ProtocolError
 
+from .admission import FrontDoor
 from .frames import (
-    HELLO,
-    HELLO_AUTH_FAILED,
-    HELLO_BAD_VERSION,
-    HELLO_OK,
     OP_READ,
     OP_WRITE,
     REQ_MAGIC,
@@ -32,18 +32,19 @@ from .frames import (
     ST_OK,
     ST_OUT_OF_RANGE,
     ST_UNKNOWN_SEGMENT,
-    VERSION,
-    decode_hello_header,
     decode_name,
     decode_request_header,
     encode_error,
-    encode_hello_reply,
     encode_name,
 )
 from .segments import Segment
 from .tcp_io import SOCK_BUF, Reader, sendv, tune
 
 log = logging.getLogger(__name__)
+
+
+class _Idle(Exception):
+    """A served connection sent nothing for `idle_timeout_s`."""
 
 FLUSH_BYTES = 256 << 10
 FLUSH_IOVS = 256
@@ -52,7 +53,13 @@ DRAIN_LIMIT = 64 << 20
 
 
 class TransferServer:
-    """Serves segments over TCP: one daemon thread per connection, blocking sockets."""
+    """Serves segments over TCP: one daemon thread per authenticated connection.
+
+    `max_connections` bounds authenticated connections; `max_handshakes` and
+    `handshake_timeout_s` bound the ones still authenticating (see `admission`);
+    `on_event(kind)` counts front-door outcomes ("accepted", "authenticated", "evicted",
+    "timed_out", "rejected", "busy") for metrics.
+    """
 
     def __init__(
         self,
@@ -62,9 +69,17 @@ class TransferServer:
         token: str = "",
         *,
         max_connections: int = 256,
+        max_handshakes: int = 64,
+        handshake_timeout_s: float = 3.0,
         io_timeout_s: float = 30.0,
+        idle_timeout_s: float = 300.0,
         on_bytes: Callable[[str, int], None] | None = None,
+        on_event: Callable[[str], None] | None = None,
     ) -> None:
+        if max_connections < 1 or max_handshakes < 1:
+            raise ValueError("max_connections and max_handshakes must be >= 1")
+        if min(handshake_timeout_s, io_timeout_s, idle_timeout_s) <= 0:
+            raise ValueError("transfer server timeouts must be > 0 s")
         self._segments: dict[bytes, Segment] = {
             encode_name(name): seg for name, seg in segments.items()
         }
@@ -72,10 +87,14 @@ class TransferServer:
         self._port = port
         self._token = token
         self._max_connections = max_connections
+        self._max_handshakes = max_handshakes
+        self._handshake_timeout = handshake_timeout_s
         self._io_timeout = io_timeout_s
+        self._idle_timeout = idle_timeout_s
         self._on_bytes = on_bytes
+        self._on_event = on_event
         self._listener: socket.socket | None = None
-        self._accept_thread: threading.Thread | None = None
+        self._door: FrontDoor | None = None
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._stopping = False
@@ -118,10 +137,11 @@ class TransferServer:
             lst.close()
             raise
         self._listener = lst
-        self._accept_thread = threading.Thread(
-            target=self._accept_loop, name="transfer-accept", daemon=True
+        self._door = FrontDoor(
+            lst, self._token, self._admit, max_pending=self._max_handshakes,
+            handshake_timeout_s=self._handshake_timeout, on_event=self._on_event,
         )
-        self._accept_thread.start()
+        self._door.start()
         log.info("transfer server listening", extra={"address": self.address})
 
     @property
@@ -137,8 +157,21 @@ class TransferServer:
             raise RuntimeError("server not started")
         return int(self._listener.getsockname()[1])
 
+    @property
+    def connections(self) -> int:
+        """Authenticated connections being served."""
+        return len(self._conns)
+
+    @property
+    def handshakes(self) -> int:
+        """Connections still authenticating."""
+        return self._door.pending if self._door is not None else 0
+
     def stop(self) -> None:
         self._stopping = True
+        door, self._door = self._door, None
+        if door is not None:
+            door.stop()
         lst, self._listener = self._listener, None
         if lst is not None:
             with contextlib.suppress(OSError):
@@ -149,9 +182,6 @@ class TransferServer:
         for s in conns:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
-        if self._accept_thread is not None:
-            self._accept_thread.join(timeout=2)
-            self._accept_thread = None
 
     def __enter__(self) -> TransferServer:
         self.start()
@@ -160,41 +190,34 @@ class TransferServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _accept_loop(self) -> None:
-        lst = self._listener
-        assert lst is not None
-        while not self._stopping:
-            try:
-                sock, addr = lst.accept()
-            except OSError:
-                if self._stopping:
-                    return
-                time.sleep(0.01)
-                continue
-            peer = f"{addr[0]}:{addr[1]}"
-            with self._lock:
-                full = len(self._conns) >= self._max_connections
-                if not full:
-                    self._conns.add(sock)
-            if full:
-                log.warning(
-                    "transfer connection refused: too many connections",
-                    extra={"peer": peer, "max_connections": self._max_connections},
-                )
-                sock.close()
-                continue
-            threading.Thread(
-                target=self._serve, args=(sock, peer), name="transfer-conn", daemon=True
-            ).start()
+    def _admit(self, sock: socket.socket, peer: str) -> bool:
+        """Take an authenticated connection from the front door, within `max_connections`."""
+        with self._lock:
+            if self._stopping or len(self._conns) >= self._max_connections:
+                return False
+            self._conns.add(sock)
+        door = self._door
+        if door is None or not door.send_ok(sock):
+            self._release(sock)
+            return True
+        threading.Thread(
+            target=self._serve, args=(sock, peer), name="transfer-conn", daemon=True
+        ).start()
+        return True
+
+    def _release(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._conns.discard(sock)
+        with contextlib.suppress(OSError):
+            sock.close()
 
     # -- one connection ------------------------------------------------------------------------
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
         try:
-            tune(sock, self._io_timeout)
-            rd = Reader(sock)
-            if self._handshake(sock, rd, peer):
-                self._loop(sock, rd)
+            sock.setblocking(True)
+            tune(sock, min(self._io_timeout, self._idle_timeout))
+            self._loop(sock, Reader(sock))
         except ProtocolError as e:
             log.warning("closing transfer connection: %s", e, extra={"peer": peer})
         except BlockingIOError:
@@ -202,6 +225,8 @@ class TransferServer:
                 "closing transfer connection: timed out in the middle of a frame",
                 extra={"peer": peer},
             )
+        except _Idle:
+            log.debug("closing idle transfer connection", extra={"peer": peer})
         except OSError as e:
             if not self._stopping:
                 log.debug("transfer connection ended: %s", e, extra={"peer": peer})
@@ -209,29 +234,7 @@ class TransferServer:
             log.exception("closing transfer connection after an internal error",
                           extra={"peer": peer})
         finally:
-            with self._lock:
-                self._conns.discard(sock)
-            with contextlib.suppress(OSError):
-                sock.close()
-
-    def _handshake(self, sock: socket.socket, rd: Reader, peer: str) -> bool:
-        p = rd.fill(HELLO.size, readahead=False)
-        version, tlen = decode_hello_header(rd.buf, p)
-        rd.start += HELLO.size
-        token = rd.read_bytes(tlen) if tlen else b""
-        if version != VERSION:
-            sock.sendall(
-                encode_hello_reply(HELLO_BAD_VERSION, f"unsupported protocol version {version}")
-            )
-            log.warning("transfer handshake rejected: protocol version %d", version,
-                        extra={"peer": peer})
-            return False
-        if self._token and not token_matches(self._token, token):
-            sock.sendall(encode_hello_reply(HELLO_AUTH_FAILED, "invalid cluster token"))
-            log.warning("transfer handshake rejected: invalid cluster token", extra={"peer": peer})
-            return False
-        sock.sendall(encode_hello_reply(HELLO_OK))
-        return True
+            self._release(sock)
 
     def _loop(self, sock: socket.socket, rd: Reader) -> None:
         pending: list[bytes | memoryview] = []
@@ -249,13 +252,17 @@ class TransferServer:
                     pending.clear()
                     pending_bytes = 0
                     pending_data = False
-                try:
-                    p = rd.fill(hsize)
-                except BlockingIOError:
-                    # Idle between frames is fine; a partial header is not.
-                    if rd.end != rd.start or self._stopping:
-                        raise
-                    continue
+                waiting = time.monotonic()
+                while True:
+                    try:
+                        p = rd.fill(hsize)
+                        break
+                    except BlockingIOError:
+                        # Idle between frames is fine for a while; a partial header is not.
+                        if rd.end != rd.start or self._stopping:
+                            raise
+                        if time.monotonic() - waiting >= self._idle_timeout:
+                            raise _Idle() from None
             else:
                 p = rd.start
             magic, op, nlen, rid, off, length = unpack(rd.buf, p)
