@@ -179,8 +179,9 @@ class Worker:
         """Count a request in, or abort it when the worker cannot take it."""
         if self.draining.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.role} is draining")
-        if self.engine is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.role}: {self.not_ready()}")
+        reason = Worker.not_ready(self)  # the engine's own state, not a role's extra checks
+        if reason is not None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.role}: {reason}")
         with self._inflight_lock:
             self._inflight += 1
         assert self.engine is not None

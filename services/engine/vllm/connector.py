@@ -51,6 +51,7 @@ from mooncake_k8s.common.blocks import (
 )
 from mooncake_k8s.common.errors import IntegrityError, MooncakeError, ObjectExists
 from mooncake_k8s.engine.vllm.kvlayout import PagedKV, UnsupportedLayout, dtype_name
+from mooncake_k8s.engine.vllm.spin import limit_idle_spin
 
 log = logging.getLogger("mooncake_k8s.vllm.connector")
 
@@ -108,6 +109,7 @@ def _store_client(extra: dict[str, Any]) -> Any:
 class MooncakeK8sConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        limit_idle_spin()
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self._extra = extra
         self._bs = int(vllm_config.cache_config.block_size)

@@ -118,6 +118,7 @@ class VllmServer:
                "PYTHONSAFEPATH": "1"}
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.setdefault("MOONCAKE_VLLM_IDLE_SPIN_S", "0.05")  # see connector.limit_idle_spin
         log.info("starting vLLM", extra={"port": self.port, "role": self.cfg.role})
         self.proc = subprocess.Popen(self.command(), env=env, start_new_session=True)
         deadline = time.monotonic() + self.cfg.ready_timeout_s
