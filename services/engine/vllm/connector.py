@@ -29,6 +29,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,7 @@ from mooncake_k8s.engine.vllm.spin import limit_idle_spin
 log = logging.getLogger("mooncake_k8s.vllm.connector")
 
 PARAMS_KEY = "mooncake"
+_KEY = re.compile(r"[0-9a-f]{32}")
 """The key of our plan inside a request's `kv_transfer_params`."""
 
 
@@ -97,6 +99,13 @@ class _Req:
 
 def kv_layout_tag(device_type: str) -> str:
     return f"vllm-{device_type}"
+
+
+def _valid_keys(keys: Any, full: int) -> bool:
+    """Plan keys we can use: a list of at most `full` 128-bit hex keys. Anything else (a
+    hand-written request to the vLLM port) is ignored, never allowed to break the scheduler."""
+    return (isinstance(keys, list) and len(keys) <= full
+            and all(isinstance(k, str) and _KEY.fullmatch(k) for k in keys))
 
 
 def _store_client(extra: dict[str, Any]) -> Any:
@@ -170,21 +179,27 @@ class MooncakeK8sConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if st is not None:
             return st
         prompt = list(request.prompt_token_ids or [])
-        params = (request.kv_transfer_params or {}).get(PARAMS_KEY) or {}
+        ktp = request.kv_transfer_params
+        params = ktp.get(PARAMS_KEY) if isinstance(ktp, dict) else None
+        if not isinstance(params, dict):
+            params = {}
         tenant = str(params.get("tenant", ""))
         full = len(prompt) // self._bs
-        given = [str(k) for k in params.get("keys", ())]
-        if params.get("keys") is not None and len(given) <= full:
+        given = params.get("keys")
+        if _valid_keys(given, full):
             # The plan's keys, extended (decode's prompt has one more token) from their chain.
-            parent = given[-1] if given else None
-            rest = block_keys(self._namespace(tenant), prompt[len(given) * self._bs:],
-                              parent=parent)
-            keys = given + rest[: full - len(given)]
+            keys = list(given)
+            if len(keys) < full:
+                rest = block_keys(self._namespace(tenant), prompt[len(keys) * self._bs:],
+                                  parent=keys[-1] if keys else None)
+                keys += rest[: full - len(keys)]
         else:
             keys = block_keys(self._namespace(tenant), prompt)
         reuse = params.get("reuse")
+        if isinstance(reuse, bool) or not isinstance(reuse, int) or reuse < 0:
+            reuse = None  # absent or malformed: ask the pool
         if reuse is not None:  # the plan says how much the pool holds: do not ask again
-            pool = min(int(reuse), len(keys))
+            pool = min(reuse, len(keys))
             self._stats["planned"] += 1
             self._flush_stats()
         else:
@@ -229,10 +244,7 @@ class MooncakeK8sConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if st is None:
                 continue
             st.block_ids = list(new.block_ids[0])
-            if st.load_blocks:
-                a, b = st.local_blocks, st.local_blocks + st.load_blocks
-                meta.loads.append(_Load(st.keys[a:b], st.block_ids[a:b]))
-                st.load_blocks = 0
+            self._plan_load(st, meta)
             self._plan_save(st, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id],
                             meta)
         cached = so.scheduled_cached_reqs
@@ -243,12 +255,19 @@ class MooncakeK8sConnector(KVConnectorBase_V1):  # type: ignore[misc]
             new_ids = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids and new_ids is not None:
                 st.block_ids = list(new_ids[0])  # after preemption: the whole list again
-                st.saved_upto = min(st.saved_upto, st.pool_blocks)
             elif new_ids is not None:
                 st.block_ids += list(new_ids[0])
+            self._plan_load(st, meta)  # resumed after preemption: the pool again
             done = cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(rid, 0)
             self._plan_save(st, done, meta)
         return meta
+
+    def _plan_load(self, st: _Req, meta: MooncakeMeta) -> None:
+        """Load what vLLM was promised (`update_state_after_alloc`) into the blocks it got."""
+        if st.load_blocks:
+            a, b = st.local_blocks, st.local_blocks + st.load_blocks
+            meta.loads.append(_Load(st.keys[a:b], st.block_ids[a:b]))
+            st.load_blocks = 0
 
     def _plan_save(self, st: _Req, computed: int, meta: MooncakeMeta) -> None:
         """Save the prompt blocks this step completes (and the pool lacks)."""
