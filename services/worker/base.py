@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -245,7 +246,9 @@ def sampling_from_pb(s: pb.Sampling) -> Any:
 
 
 def run_worker(worker: Worker) -> None:
-    """Serve until SIGTERM/SIGINT, then drain and stop."""
+    """Serve until SIGTERM/SIGINT, then drain and stop. If the engine's own process dies (a
+    vLLM server), stop and exit non-zero: the supervisor (`mooncake up`, Kubernetes) restarts
+    the worker, and a worker that can never serve again does not linger unready."""
     done = threading.Event()
 
     def _on_signal(signum: int, _frame: object) -> None:
@@ -259,8 +262,16 @@ def run_worker(worker: Worker) -> None:
         extra={"address": worker.address, "metrics_port": worker.metrics_port,
                "instance_id": worker.config.instance_id, "auth": bool(worker.config.token)},
     )
+    failed: str | None = None
     while not done.wait(0.5):
-        pass
+        engine = worker.engine
+        failed = engine.failure() if engine is not None else None
+        if failed:
+            log.error(f"{worker.role} engine failed; stopping so it is restarted",
+                      extra={"error": failed})
+            break
     log.info(f"{worker.role} draining")
     worker.drain_and_stop()
     log.info(f"{worker.role} stopped")
+    if failed:
+        sys.exit(1)
