@@ -304,9 +304,13 @@ def test_a_dead_vllm_stops_its_worker_and_requests_get_a_clear_503(
     children = subprocess.run(["pgrep", "-P", str(worker.popen.pid)], capture_output=True,
                               text=True, check=True).stdout.split()
     assert children, "the decode worker runs vLLM as its child"
+    group = os.getpgid(int(children[0]))
     for pid in children:
         os.kill(int(pid), 9)
     assert worker.popen.wait(timeout=60) == 1
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-g", str(group)], capture_output=True, text=True).stdout
+    assert not left.split(), "vLLM's engine processes were cleaned up with the worker"
     log = worker.log()
     assert "engine failed" in log and "vLLM exited" in log
     with pytest.raises(openai.APIStatusError) as err:

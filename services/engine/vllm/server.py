@@ -146,7 +146,11 @@ class VllmServer:
 
     def stop(self) -> None:
         p = self.proc
-        if p is None or p.poll() is not None:
+        if p is None:
+            return
+        if p.poll() is not None:  # the server died: its engine processes may live on
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
             return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGTERM)
