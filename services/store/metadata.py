@@ -24,10 +24,8 @@ A committed object has one or more replicas (segment, offset) on distinct nodes.
 (`get_replicas`) grants a read lease; while any lease covers an object it is neither evicted nor
 freed. `remove` hides an object at once; a leased one keeps its space until the last lease ends.
 
-Eviction runs in `tick` per segment between a high and a low watermark, in exact LRU order,
-skipping leased and in-flight objects, soft-pinned objects last. A DRAM victim on a node with an
-SSD segment is spilled (the node copies it, then the DRAM space is freed); an object found only
-on SSD is promoted back to DRAM by a copy on the same node.
+Placement, eviction, spilling to SSD and promotion back to DRAM are `tiering.TierPolicy`, a
+mixin of this class: no allocation takes any segment of any tier above its high watermark.
 """
 
 from __future__ import annotations
@@ -68,6 +66,7 @@ from mooncake_k8s.store.records import (
     encode_obj,
     rep_pb,
 )
+from mooncake_k8s.store.tiering import TierPolicy
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +109,7 @@ class Registration(NamedTuple):
 CLAIM_BYTES_PER_S = 256 << 20
 
 
-class MasterState:
+class MasterState(TierPolicy):
     """Everything the master knows; see the module docstring. Thread-safe."""
 
     def __init__(
@@ -579,103 +578,6 @@ class MasterState:
             self._pending_keys[key] = put_id
             return pb.PutStartResponse(put_id=put_id, replicas=[rep_pb(r) for r in reps])
 
-    def _place(
-        self, size: int, n: int, placement: int, preferred: str, host_id: str
-    ) -> list[Rep]:
-        """Pick and allocate `n` replicas on distinct nodes.
-
-        DRAM segments in placement order first; when no DRAM segment can take the object
-        without evicting, SSD segments (a burst faster than spilling lands on SSD instead of
-        dropping cached data); then DRAM with synchronous LRU eviction, then SSD likewise.
-        """
-        alive = list(self._segments.values())
-        if not alive:
-            raise NoSpace("no storage segments are registered")
-        largest = max(s.alloc.capacity for s in alive)
-        if size > largest:
-            raise ObjectTooLarge(
-                f"object of {size} bytes is too large for any segment (largest {largest})"
-            )
-        fits = [s for s in alive if s.alloc.capacity >= size]
-        n_nodes = len({s.node.node_id for s in fits})
-        if n > n_nodes:
-            raise NoSpace(f"{n} replicas need {n} distinct nodes; {n_nodes} can hold the object")
-        fits.sort(key=lambda s: s.alloc.free_bytes, reverse=True)
-        if placement == pb.PREFERRED and preferred:
-            fits.sort(key=lambda s: s.name != preferred)
-        elif placement in (pb.LOCAL_FIRST, pb.PLACEMENT_UNSPECIFIED) and host_id:
-            fits.sort(key=lambda s: s.node.host_id != host_id)
-        drams = [s for s in fits if s.tier == DRAM]
-        ssds = [s for s in fits if s.tier != DRAM]
-        passes = [(drams, False), (ssds, False), (drams, True), (ssds, True)]
-        chosen: list[Rep] = []
-        used: set[str] = set()
-        for segs, evict in passes:
-            for seg in segs:
-                if len(chosen) == n:
-                    break
-                if seg.node.node_id in used:
-                    continue
-                off = self._alloc_evicting(seg, size) if evict else seg.alloc.alloc(size)
-                if off is not None:
-                    chosen.append(Rep(seg, off))
-                    used.add(seg.node.node_id)
-        if len(chosen) < n:
-            for r in chosen:
-                r.seg.alloc.free(r.offset)
-            raise NoSpace(
-                f"no space for {size} bytes x{n}: everything evictable is leased, pinned or "
-                "being written"
-            )
-        # Keep the watermarks at once rather than on the next tick, so a burst of puts leaves
-        # every segment at or below the high watermark the moment it returns.
-        for r in chosen:
-            if r.seg.alloc.used > self.high_watermark * r.seg.alloc.capacity:
-                self._shrink(r.seg)
-        return chosen
-
-    def _evictable(self, seg: Segment, deficit: int, pinned_ok: bool) -> tuple[list[Obj], int]:
-        """LRU-first victims on `seg` whose replicas free at least `deficit` bytes, if possible."""
-        victims: list[Obj] = []
-        gain = 0
-        rounded = seg.alloc.rounded
-        for obj in seg.lru.values():
-            if obj.leases or obj.copying or (obj.pinned and not pinned_ok):
-                continue
-            victims.append(obj)
-            gain += rounded(obj.size)
-            if gain >= deficit:
-                break
-        return victims, gain
-
-    def _alloc_evicting(self, seg: Segment, size: int) -> int | None:
-        off = seg.alloc.alloc(size)
-        if off is not None:
-            return off
-        need = seg.alloc.rounded(size)
-        for pinned_ok in (False, True):
-            _, total = self._evictable(seg, 1 << 62, pinned_ok)
-            if total + seg.alloc.free_bytes < need:
-                continue
-            while True:
-                deficit = max(need - seg.alloc.free_bytes, 1)
-                victims, _ = self._evictable(seg, deficit, pinned_ok)
-                if not victims:
-                    break
-                for obj in victims:
-                    self._evict(obj, seg)
-                off = seg.alloc.alloc(size)
-                if off is not None:
-                    return off
-        return None
-
-    def _evict(self, obj: Obj, seg: Segment) -> None:
-        for rep in obj.reps:
-            if rep.seg is seg:
-                self._drop_rep(obj, rep, _EV.EVICTED)
-                self.evictions += 1
-                return
-
     def put_end(self, key: str, put_id: int, checksum: int) -> None:
         """Publish a written object: from now on lookups see it."""
         with self._op():
@@ -805,28 +707,6 @@ class MasterState:
             heapq.heappush(self._lease_heap, (expires, lease_id))
             return Lookup(entries, lease_id, int(self._wall() * 1000) + lease_ms, found)
 
-    def _promote(self, obj: Obj) -> None:
-        src = next((r for r in obj.reps if r.seg.alive), None)
-        if src is None:
-            return
-        drams = [s for s in src.seg.node.segments if s.tier == DRAM and s.alive]
-        drams.sort(key=lambda s: s.alloc.free_bytes, reverse=True)
-        for seg in drams:
-            limit = self.high_watermark * seg.alloc.capacity
-            if seg.alloc.used + seg.alloc.rounded(obj.size) > limit:
-                continue
-            off = seg.alloc.alloc(obj.size)
-            if off is not None:
-                self._start_copy("promote", obj, src, Rep(seg, off))
-                return
-
-    def _start_copy(self, kind: str, obj: Obj, src: Rep, dst: Rep) -> None:
-        obj.copying = True
-        cmd_id = self._command(
-            src.seg.node, _CMD.COPY, obj.key, dst.seg, dst.offset, obj.size, obj.checksum, src
-        )
-        self._copies[cmd_id] = Copy(cmd_id, kind, obj, src, dst, self._now() + self.put_timeout_s)
-
     def release_lease(self, lease_id: int) -> bool:
         """End a lease early; False if it is unknown (already released or expired)."""
         with self._op():
@@ -913,35 +793,6 @@ class MasterState:
             for seg in list(self._segments.values()):
                 if seg.alloc.used > self.high_watermark * seg.alloc.capacity:
                     self._shrink(seg)
-
-    def _shrink(self, seg: Segment) -> None:
-        """Evict (or spill) LRU-first down to the low watermark. Soft-pinned objects go only
-        when unpinned ones cannot bring the segment back to the high watermark, and then only
-        as far as the high watermark."""
-        rounded = seg.alloc.rounded
-        ssds = (
-            [s for s in seg.node.segments if s.tier == SSD and s.alive] if seg.tier == DRAM else []
-        )
-        for pinned_ok in (False, True):
-            mark = self.high_watermark if pinned_ok else self.low_watermark
-            target = mark * seg.alloc.capacity
-            excess = seg.alloc.used - seg.spilling - target
-            if excess <= 0:
-                return
-            victims, _ = self._evictable(seg, int(excess) + 1, pinned_ok)
-            for obj in victims:
-                if seg.alloc.used - seg.spilling <= target:
-                    return
-                rep = next(r for r in obj.reps if r.seg is seg)
-                if ssds and not any(r.seg.tier == SSD for r in obj.reps):
-                    ssds.sort(key=lambda s: s.alloc.free_bytes, reverse=True)
-                    off = ssds[0].alloc.alloc(obj.size)
-                    if off is not None:
-                        seg.spilling += rounded(obj.size)
-                        self._start_copy("spill", obj, rep, Rep(ssds[0], off))
-                        continue
-                self._drop_rep(obj, rep, _EV.EVICTED)
-                self.evictions += 1
 
     # -- events, stats, shutdown ----------------------------------------------------------
 

@@ -52,6 +52,23 @@ def metric_value(text: str, name: str, labels: str = "") -> float:
     return total
 
 
+def pause_pid(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP a process and return once every one of its threads is stopped (a signal is
+    only a request: a thread inside a system call may still finish it)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                stat = (task / "stat").read_text()
+                states.append(stat[stat.rindex(")") + 2])
+        if states and all(st in "tT" for st in states):
+            return
+        time.sleep(0.01)
+    raise TimeoutError(f"process {pid} did not stop within {timeout}s")
+
+
 def _with_metrics_port(args: list[str], port: int) -> list[str]:
     i = args.index("--metrics-port")
     return [*args[: i + 1], str(port), *args[i + 2 :]]
@@ -140,6 +157,27 @@ class StoreCluster:
         if wait:
             self.wait_master()
         return self.master
+
+    def pause(self, proc: Proc) -> None:
+        """Freeze `proc` (SIGSTOP) until `resume`: alive to the kernel, silent to everyone."""
+        pause_pid(proc.popen.pid)
+
+    def resume(self, proc: Proc) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.popen.pid, signal.SIGCONT)
+
+    def wait_inventory(self, objects: int, timeout: float = 30.0) -> None:
+        """Until the live nodes' inventories hold `objects` replicas in all: what a restarted
+        master can rebuild from (nodes learn commits from the master's command stream)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                held = sum(metric_value(p.metrics(), "mooncake_node_objects")
+                           for p in self.nodes.values() if p.alive())
+                if held >= objects:
+                    return
+            time.sleep(0.05)
+        raise TimeoutError(f"nodes did not report {objects} objects within {timeout}s")
 
     def client(self, **kwargs: object) -> StoreClient:
         return StoreClient(self.master_address, self.token, **kwargs)  # type: ignore[arg-type]

@@ -3,8 +3,6 @@ reader about one attempt timeout, not the whole call timeout, and the get still 
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import numpy as np
@@ -32,7 +30,7 @@ def test_paused_replica_is_skipped_after_one_attempt() -> None:
             assert info is not None and len(info.replicas) == 2
             first = info.replicas[0].peer.node_id
             paused = cluster.nodes[first]
-            os.killpg(paused.popen.pid, signal.SIGSTOP)
+            cluster.pause(paused)
             try:
                 t0 = time.monotonic()
                 assert bytes(c.get(keys[0])) == data  # from the other replica
@@ -49,7 +47,7 @@ def test_paused_replica_is_skipped_after_one_attempt() -> None:
                     assert bytes(fresh.get(keys[0])) == data  # no memory, cold connections
                     t5 = time.monotonic()
             finally:
-                os.killpg(paused.popen.pid, signal.SIGCONT)
+                cluster.resume(paused)
     first_get, next_get, batch, fresh_get = t1 - t0, t2 - t1, t3 - t2, t5 - t4
     print(f"\npaused replica on {first}: first get {first_get:.2f}s (attempt timeout 1.0s), "
           f"next get {next_get * 1000:.1f}ms, batch of {len(bufs)} {batch * 1000:.1f}ms, "

@@ -4,8 +4,6 @@ master killed and restarted, a writer killed between PutStart and PutEnd."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -100,7 +98,8 @@ def test_restarted_master_is_unavailable_until_its_nodes_return() -> None:
                        for r in o.replicas}
             assert holders == {"a", "b"}
         wait_roster(cluster, {"a", "b"})
-        os.killpg(b.popen.pid, signal.SIGSTOP)  # b cannot re-register until resumed
+        cluster.wait_inventory(20)
+        cluster.pause(b)  # b cannot re-register until resumed
         got: dict[str, bytes] = {}
         with cluster.client(timeout_s=30) as reading:
             try:
@@ -127,7 +126,7 @@ def test_restarted_master_is_unavailable_until_its_nodes_return() -> None:
                 time.sleep(0.3)
                 assert reader.is_alive() and writer.is_alive()
             finally:
-                os.killpg(b.popen.pid, signal.SIGCONT)
+                cluster.resume(b)
             reader.join(timeout=60)
             writer.join(timeout=60)
             assert bytes(reading.get("new")) == b"w"

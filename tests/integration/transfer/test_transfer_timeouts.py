@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from mooncake_k8s.common.errors import InvalidArgument, TransferTimeout
+from mooncake_k8s.store.testing import pause_pid
 from mooncake_k8s.transfer import ReadOp, SegmentDesc, TcpTransport, Tier
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,7 +66,7 @@ def test_paused_peer_fails_within_the_io_timeout(server: tuple[int, str, Segment
     cold = TcpTransport(address, TOKEN, 1, timeout_s=30, io_timeout_s=0.5)
     try:
         warm.read([ReadOp(desc, 0, memoryview(bytearray(MiB)))])  # a pooled connection exists now
-        os.kill(pid, signal.SIGSTOP)
+        pause_pid(pid)
         pooled = _timed_read(warm, desc)  # the request is sent, no response comes
         fresh = _timed_read(cold, desc)  # connect succeeds (kernel backlog), no hello reply
     finally:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from mooncake_k8s.common.errors import InvalidArgument, NoSpace, ObjectTooLarge
@@ -221,7 +223,7 @@ def test_placement_strategies(clock: Clock) -> None:
     r = st.put_start("p2", KiB, placement=pb.PREFERRED, preferred_segment="nope")
     assert r.replicas[0].node_id == "b"
     # local segment full: spills over to another node instead of evicting
-    r = st.put_start("big", 60 * KiB, client_host_id="ha")
+    r = st.put_start("big", 57 * KiB, client_host_id="ha")  # 60 of 64 KiB: under 95%
     assert r.replicas[0].node_id == "a"
     r = st.put_start("big2", 30 * KiB, client_host_id="ha")
     assert r.replicas[0].node_id == "b"
@@ -395,7 +397,12 @@ def test_spill_to_ssd_then_promote_back(clock: Clock) -> None:
     drain(st, "a")
     events = st.subscribe()
     for i in range(4):
-        put(st, f"k{i}", 8 * KiB)  # 100% full: the last put queues spills
+        # k3 finds no room under 80%: spills are queued down to 50% (with room for k3), and
+        # k3 lands on SSD meanwhile; no tier is ever above its high watermark
+        put(st, f"k{i}", 8 * KiB)
+        assert used(st, "a-dram-0") <= 0.8 * 32 * KiB
+    k3 = st.get_replicas(["k3"]).response().objects[0]
+    assert [r.tier for r in k3.replicas] == [pb.SSD]
     st.tick()
     cmds = drain(st, "a")
     copies = [c for c in cmds if c.kind == CMD.COPY]
@@ -418,7 +425,7 @@ def test_spill_to_ssd_then_promote_back(clock: Clock) -> None:
         (CMD.FREED, "a-dram-0"),  # k0 moved
         (CMD.FREED, "a-dram-0"),  # k1 evicted after its failed spill
     ]
-    assert used(st, "a-ssd-0") == 8 * KiB and used(st, "a-dram-0") == 16 * KiB
+    assert used(st, "a-ssd-0") == 16 * KiB and used(st, "a-dram-0") == 8 * KiB  # k0+k3, k2
     obj = st.get_replicas(["k0"]).response().objects[0]
     assert [r.tier for r in obj.replicas] == [pb.SSD]
     assert st.exists(["k1"])[0] == [False]
@@ -446,17 +453,17 @@ def test_spill_copy_timeout_and_removed_object(clock: Clock) -> None:
     node(st, "a", dram=32 * KiB, ssd=64 * KiB)
     put(st, "k0", 8 * KiB)
     put(st, "k1", 8 * KiB)
-    put(st, "k2", 8 * KiB)
+    put(st, "k2", 8 * KiB)  # no room under 50%: k0 and k1 spill, k2 lands on SSD
     st.tick()
     copies = [c for c in drain(st, "a") if c.kind == CMD.COPY]
     assert len(copies) == 2
-    assert used(st, "a-ssd-0") == 16 * KiB
+    assert used(st, "a-ssd-0") == 24 * KiB
     st.remove(["k0"])  # removed while its spill runs: the SSD copy is discarded on done
     st.command_done("a", copies[0].id, True)
-    assert used(st, "a-ssd-0") == 8 * KiB
+    assert used(st, "a-ssd-0") == 16 * KiB
     clock.advance(3.1)
     st.tick()  # k1's copy never answered: SSD space back, k1 evicted from DRAM
-    assert used(st, "a-ssd-0") == 0
+    assert used(st, "a-ssd-0") == 8 * KiB
     assert st.exists(["k1", "k2"])[0] == [False, True]
 
 
@@ -639,17 +646,17 @@ def test_spill_of_a_leased_object_keeps_both_replicas(clock: Clock) -> None:
     node(st, "a", dram=32 * KiB, ssd=64 * KiB)
     put(st, "k0", 8 * KiB)
     put(st, "k1", 8 * KiB)
-    put(st, "k2", 8 * KiB)  # 75% > 70%: k0 spills
+    put(st, "k2", 8 * KiB)  # no room under 70%: k0 spills, k2 lands on SSD
     (copy,) = [c for c in drain(st, "a") if c.kind == CMD.COPY]
     lease = st.get_replicas(["k0"]).lease_id  # a reader holds the DRAM replica meanwhile
     st.command_done("a", copy.id, True)
     reps = st.get_replicas(["k0"]).response().objects[0].replicas
     assert [r.tier for r in reps] == [pb.DRAM, pb.SSD]
-    assert used(st, "a-dram-0") == 24 * KiB  # not freed under the lease
+    assert used(st, "a-dram-0") == 16 * KiB  # not freed under the lease
     st.release_lease(lease)
     clock.advance(3)  # the second lookup's lease expires too
     st.tick()
-    put(st, "k3", 8 * KiB)  # over the high watermark again: k0's DRAM copy goes, SSD stays
+    put(st, "k3", 8 * KiB)  # no room again: the LRU one (k1) spills; k0 keeps its SSD copy
     assert st.exists(["k0"])[0] == [True]
     reps = st.get_replicas(["k0"]).response().objects[0].replicas
     assert pb.SSD in [r.tier for r in reps]
@@ -668,3 +675,52 @@ def test_burst_faster_than_spilling_lands_on_ssd_instead_of_dropping(clock: Cloc
                         strict=True)
     }
     assert tiers == {"k0": [pb.DRAM], "k11": [pb.SSD]}
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_watermarks_hold_on_every_tier_under_bursts(clock: Clock, seed: int) -> None:
+    """Random bursts of puts, lookups (promotions), copies finishing late, failing or never,
+    removals and ticks: after every step no segment of any tier is above its high watermark,
+    spill destinations included."""
+    rng = random.Random(seed)
+    st = make(clock, high_watermark=0.8, low_watermark=0.6, put_timeout_s=5)
+    node(st, "a", dram=64 * KiB, ssd=96 * KiB)
+    node(st, "b", dram=32 * KiB)
+    caps = {s.name: s.size for s in st.stats().segments}
+    keys: list[str] = []
+    copies: list[pb.NodeCommand] = []
+
+    def check() -> None:
+        for s in st.stats().segments:
+            assert s.used <= 0.8 * caps[s.name], (s.name, s.used, caps[s.name])
+
+    for step in range(400):
+        op = rng.random()
+        if op < 0.55:
+            key = f"k{step}"
+            try:
+                put(st, key, rng.choice([1, 2, 4, 8]) * KiB, replicas=rng.choice([1, 1, 2]))
+                keys.append(key)
+            except NoSpace:
+                pass  # everything left is leased or in flight: refused, never overfilled
+        elif op < 0.7 and keys:
+            lk = st.get_replicas(rng.sample(keys, min(3, len(keys))))  # may queue promotions
+            if lk.lease_id and rng.random() < 0.7:
+                st.release_lease(lk.lease_id)
+        elif op < 0.85:
+            for n in ("a", "b"):
+                copies += [c for c in drain(st, n) if c.kind == CMD.COPY]
+            rng.shuffle(copies)
+            for c in copies[: rng.randint(0, len(copies))]:
+                st.command_done("a", c.id, rng.random() < 0.9, "disk error")
+                copies.remove(c)
+        elif op < 0.9 and keys:
+            st.remove([rng.choice(keys)])
+        else:
+            clock.advance(rng.choice([0.1, 1.0, 3.0]))
+            st.heartbeat("a")
+            st.heartbeat("b")
+            st.tick()
+        check()
+    counts = st.counters()
+    assert counts["spills"] > 0 and counts["evictions"] > 0

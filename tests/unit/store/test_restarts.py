@@ -111,19 +111,19 @@ def test_same_incarnation_reregistering_keeps_everything(clock: Clock) -> None:
 def test_restart_cancels_copies_without_losing_the_source(clock: Clock) -> None:
     st = make(clock, high_watermark=0.5, low_watermark=0.3)
     register(st, "a", "inc-1", ssd=256 * KiB)
-    r = [put(st, f"k{i}", 16 * KiB) for i in range(3)]  # above 50%: spills queued
-    st.tick()
+    r = [put(st, f"k{i}", 16 * KiB) for i in range(3)]  # k2 finds no room: k0, k1 spill
     copies = [c for c in drain(st, "a") if c.kind == CMD.COPY]
-    assert copies
-    assert used(st, "a-ssd-0") > 0
-    inv = [pb.InventoryItem(key=f"k{i}", segment="a-dram-0", offset=r[i].replicas[0].offset,
-                            size=16 * KiB, checksum=0xABC) for i in range(3)]
+    assert [c.key for c in copies] == ["k0", "k1"]
+    assert used(st, "a-ssd-0") == 48 * KiB  # two copy destinations and k2
+    inv = [pb.InventoryItem(key=f"k{i}", segment=r[i].replicas[0].segment,
+                            offset=r[i].replicas[0].offset, size=16 * KiB, checksum=0xABC)
+           for i in range(3)]
     assert register(st, "a", "inc-2", ssd=256 * KiB, inventory=inv) == (3, 0)
-    assert used(st, "a-ssd-0") == 0  # the copies' destinations are freed
+    assert used(st, "a-ssd-0") == 16 * KiB  # the copies' destinations are freed
     assert not st.command_done("a", copies[0].id, True)  # the old copy is unknown now
     assert st.exists([f"k{i}" for i in range(3)])[1] == 3
-    st.tick()  # the watermark still holds: spills are queued again for the new process
-    assert any(c.kind == CMD.COPY for c in drain(st, "a"))
+    put(st, "k3", 16 * KiB)  # still no room in DRAM: spills are queued for the new process
+    assert [c.key for c in drain(st, "a") if c.kind == CMD.COPY] == ["k0", "k1"]
 
 
 # -- a crashed writer ------------------------------------------------------------------------
@@ -178,7 +178,7 @@ def test_old_put_may_still_win_after_its_claim_lapsed(clock: Clock) -> None:
 
 def test_claim_grows_with_object_size(clock: Clock) -> None:
     st = make(clock, put_claim_s=1.0)
-    st.register_node("a", "a:1", "h", [pb.SegmentInfo(name="a0", tier=pb.DRAM, size=1 << 30)])
+    st.register_node("a", "a:1", "h", [pb.SegmentInfo(name="a0", tier=pb.DRAM, size=2 << 30)])
     st.put_start("big", 512 << 20)  # 2 s more at 256 MiB/s
     clock.advance(2.5)
     assert st.put_start("big", 512 << 20).in_progress

@@ -1,0 +1,239 @@
+"""Where an object's bytes go and which bytes leave: placement, eviction, spill and promotion.
+
+A mixin of `metadata.MasterState`, kept apart because it is a policy of its own: which segment
+takes a new replica, which replicas leave when a segment is full, and how DRAM victims move to
+SSD. It runs under the state's lock like everything else there.
+
+The watermark rule, on every tier: no allocation ever takes a segment above its high watermark
+(`_room`), whether it is a new object, a spill destination or a promotion; the only exception
+is one object larger than the watermark alone, placed in an empty segment.
+
+A DRAM segment that has no room for a new object starts spilling down to its low watermark
+(with room for the object), LRU first: each victim is copied to an SSD segment of its node that
+has room, made there if need be by evicting the SSD's own LRU objects (the coldest in the
+node). A spill is a copy, so the victim's DRAM space is freed only once the copy is done;
+meanwhile new objects go to other DRAM segments or to SSD (a burst faster than spilling lands
+on SSD instead of dropping cached data). Only when no segment has room are victims dropped
+synchronously, just enough of them, LRU first, soft-pinned last. A segment found above its high
+watermark anyway (rebuilt from an inventory, say) is shrunk to its low watermark by `tick`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from mooncake_k8s.common.errors import NoSpace, ObjectTooLarge
+from mooncake_k8s.common.rpc import store_pb2 as pb
+from mooncake_k8s.store.records import DRAM, SSD, Copy, Node, Obj, Rep, Segment
+
+_EV = pb.BlockEvent
+_CMD = pb.NodeCommand
+
+
+class TierPolicy:
+    """Placement and eviction over `_segments`; see the module docstring."""
+
+    # Provided by MasterState.
+    high_watermark: float
+    low_watermark: float
+    put_timeout_s: float
+    evictions: int
+    _segments: dict[str, Segment]
+    _copies: dict[int, Copy]
+    _now: Callable[[], float]
+
+    def _command(self, node: Node, kind: int, key: str, seg: Segment, offset: int, size: int,
+                 checksum: int = 0, src: Rep | None = None) -> int:
+        raise NotImplementedError
+
+    def _drop_rep(self, obj: Obj, rep: Rep, kind: int) -> None:
+        raise NotImplementedError
+
+    # -- room ----------------------------------------------------------------------------------
+
+    def _room(self, seg: Segment, need: int) -> bool:
+        """Whether `need` (rounded) more bytes keep `seg` at or below its high watermark."""
+        return seg.alloc.used + need <= max(self.high_watermark * seg.alloc.capacity, need)
+
+    # -- placement -----------------------------------------------------------------------------
+
+    def _place(
+        self, size: int, n: int, placement: int, preferred: str, host_id: str
+    ) -> list[Rep]:
+        """Pick and allocate `n` replicas on distinct nodes, each under its high watermark.
+
+        DRAM segments with room in placement order first (one without room starts spilling);
+        then SSD segments with room; then DRAM made room in by eviction, then SSD likewise.
+        """
+        alive = list(self._segments.values())
+        if not alive:
+            raise NoSpace("no storage segments are registered")
+        largest = max(s.alloc.capacity for s in alive)
+        if size > largest:
+            raise ObjectTooLarge(
+                f"object of {size} bytes is too large for any segment (largest {largest})"
+            )
+        fits = [s for s in alive if s.alloc.capacity >= size]
+        n_nodes = len({s.node.node_id for s in fits})
+        if n > n_nodes:
+            raise NoSpace(f"{n} replicas need {n} distinct nodes; {n_nodes} can hold the object")
+        fits.sort(key=lambda s: s.alloc.free_bytes, reverse=True)
+        if placement == pb.PREFERRED and preferred:
+            fits.sort(key=lambda s: s.name != preferred)
+        elif placement in (pb.LOCAL_FIRST, pb.PLACEMENT_UNSPECIFIED) and host_id:
+            fits.sort(key=lambda s: s.node.host_id != host_id)
+        drams = [s for s in fits if s.tier == DRAM]
+        ssds = [s for s in fits if s.tier != DRAM]
+        passes = [(drams, False), (ssds, False), (drams, True), (ssds, True)]
+        chosen: list[Rep] = []
+        used: set[str] = set()
+        for segs, evict in passes:
+            for seg in segs:
+                if len(chosen) == n:
+                    break
+                if seg.node.node_id in used:
+                    continue
+                off = self._alloc_evicting(seg, size) if evict else self._alloc_in_room(seg, size)
+                if off is not None:
+                    chosen.append(Rep(seg, off))
+                    used.add(seg.node.node_id)
+        if len(chosen) < n:
+            for r in chosen:
+                r.seg.alloc.free(r.offset)
+            raise NoSpace(
+                f"no space for {size} bytes x{n}: everything evictable is leased, pinned or "
+                "being written"
+            )
+        return chosen
+
+    def _alloc_in_room(self, seg: Segment, size: int) -> int | None:
+        """Allocate without dropping anything. A DRAM segment without room starts spilling to
+        its SSD (never evicting here), which makes room for the puts after this one."""
+        need = seg.alloc.rounded(size)
+        if not self._room(seg, need) and seg.tier == DRAM:
+            self._shrink(seg, incoming=need, spill_only=True)  # may drop DRAM copies of SSD ones
+        if not self._room(seg, need):
+            return None
+        return seg.alloc.alloc(size)
+
+    def _evictable(self, seg: Segment, deficit: int, pinned_ok: bool) -> tuple[list[Obj], int]:
+        """LRU-first victims on `seg` whose replicas free at least `deficit` bytes, if possible."""
+        victims: list[Obj] = []
+        gain = 0
+        rounded = seg.alloc.rounded
+        for obj in seg.lru.values():
+            if obj.leases or obj.copying or (obj.pinned and not pinned_ok):
+                continue
+            victims.append(obj)
+            gain += rounded(obj.size)
+            if gain >= deficit:
+                break
+        return victims, gain
+
+    def _alloc_evicting(self, seg: Segment, size: int) -> int | None:
+        """Allocate under the high watermark, dropping LRU objects (soft-pinned last) as needed."""
+        need = seg.alloc.rounded(size)
+        limit = max(self.high_watermark * seg.alloc.capacity, need)
+        if self._room(seg, need):
+            off = seg.alloc.alloc(size)
+            if off is not None:
+                return off
+        for pinned_ok in (False, True):
+            _, total = self._evictable(seg, 1 << 62, pinned_ok)
+            if seg.alloc.used - total + need > limit:
+                continue
+            while True:
+                deficit = max(int(seg.alloc.used + need - limit), need - seg.alloc.free_bytes, 1)
+                victims, _ = self._evictable(seg, deficit, pinned_ok)
+                if not victims:
+                    break
+                for obj in victims:
+                    self._evict(obj, seg)
+                if self._room(seg, need):
+                    off = seg.alloc.alloc(size)  # None when the free space is fragmented
+                    if off is not None:
+                        return off
+        return None
+
+    def _evict(self, obj: Obj, seg: Segment) -> None:
+        for rep in obj.reps:
+            if rep.seg is seg:
+                self._drop_rep(obj, rep, _EV.EVICTED)
+                self.evictions += 1
+                return
+
+    # -- shrinking and spilling ----------------------------------------------------------------
+
+    def _shrink(
+        self, seg: Segment, incoming: int = 0, pinned_too: bool = True, spill_only: bool = False
+    ) -> None:
+        """Evict (or spill) LRU-first down to the low watermark, leaving room for `incoming`
+        more bytes. Soft-pinned objects go only when unpinned ones cannot bring the segment
+        back to the high watermark, then only as far as that (never when not `pinned_too`).
+        With `spill_only`, victims that cannot be spilled stay."""
+        rounded = seg.alloc.rounded
+        ssds = (
+            [s for s in seg.node.segments if s.tier == SSD and s.alive] if seg.tier == DRAM else []
+        )
+        if spill_only and not ssds:
+            return
+        for pinned_ok in (False, True) if pinned_too else (False,):
+            mark = self.high_watermark if pinned_ok else self.low_watermark
+            target = mark * seg.alloc.capacity - incoming
+            excess = seg.alloc.used - seg.spilling - target
+            if excess <= 0:
+                return
+            victims, _ = self._evictable(seg, int(excess) + 1, pinned_ok)
+            for obj in victims:
+                if seg.alloc.used - seg.spilling <= target:
+                    return
+                rep = next(r for r in obj.reps if r.seg is seg)
+                if ssds and not any(r.seg.tier == SSD for r in obj.reps):
+                    dst = self._spill_target(ssds, rounded(obj.size))
+                    off = dst.alloc.alloc(obj.size) if dst is not None else None
+                    if dst is not None and off is not None:
+                        seg.spilling += rounded(obj.size)
+                        self._start_copy("spill", obj, rep, Rep(dst, off))
+                        continue
+                if spill_only and not any(r.seg.tier == SSD for r in obj.reps):
+                    return  # could not be spilled: it stays
+                self._drop_rep(obj, rep, _EV.EVICTED)  # (a copy on SSD is kept, if any)
+                self.evictions += 1
+
+    def _spill_target(self, ssds: list[Segment], need: int) -> Segment | None:
+        """An SSD segment that can take `need` bytes under its high watermark: one with room,
+        else one made room on by evicting its own LRU objects (never soft-pinned ones, which
+        are worth more than a DRAM victim). None: the DRAM victim is dropped instead."""
+        ssds.sort(key=lambda s: s.alloc.free_bytes, reverse=True)
+        for ssd in ssds:
+            if self._room(ssd, need):
+                return ssd
+        for ssd in ssds:
+            self._shrink(ssd, incoming=need, pinned_too=False)
+            if self._room(ssd, need):
+                return ssd
+        return None
+
+    # -- promotion -----------------------------------------------------------------------------
+
+    def _promote(self, obj: Obj) -> None:
+        """Copy an SSD-only object back into a DRAM segment of its node that has room."""
+        src = next((r for r in obj.reps if r.seg.alive), None)
+        if src is None:
+            return
+        drams = [s for s in src.seg.node.segments if s.tier == DRAM and s.alive]
+        drams.sort(key=lambda s: s.alloc.free_bytes, reverse=True)
+        for seg in drams:
+            if not self._room(seg, seg.alloc.rounded(obj.size)):
+                continue
+            off = seg.alloc.alloc(obj.size)
+            if off is not None:
+                self._start_copy("promote", obj, src, Rep(seg, off))
+                return
+
+    def _start_copy(self, kind: str, obj: Obj, src: Rep, dst: Rep) -> None:
+        obj.copying = True
+        cmd_id = self._command(
+            src.seg.node, _CMD.COPY, obj.key, dst.seg, dst.offset, obj.size, obj.checksum, src
+        )
+        self._copies[cmd_id] = Copy(cmd_id, kind, obj, src, dst, self._now() + self.put_timeout_s)
