@@ -106,6 +106,20 @@ def image_version(image: str) -> str | None:
     return None
 
 
+def image_variant(image: str, suffix: str) -> str:
+    """The image built from the same source with `suffix` added to its tag (the Dockerfile's
+    `--build-arg ENGINE=vllm` build is tagged `<tag>-vllm`): `repo:0.1.0` -> `repo:0.1.0-vllm`,
+    an untagged `repo` -> `repo:latest-vllm`. A digest names one exact image, so it has no
+    variant: a ValueError (the schema requires spec.engine.image then)."""
+    if "@" in image:
+        raise ValueError(f"{image!r} is pinned by digest; its {suffix} variant cannot be "
+                         "derived")
+    repo, _, tag = image.rpartition(":")
+    if not repo or "/" in tag:  # no tag: the last ':' was a registry port, or there is none
+        return f"{image}:latest-{suffix}"
+    return f"{repo}:{tag}-{suffix}"
+
+
 def digest(obj: Any, length: int = 10) -> str:
     """A short stable hash of JSON-able data (key order and whitespace never matter)."""
     data = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()

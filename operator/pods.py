@@ -12,7 +12,9 @@ The cluster token only ever comes from a Secret reference.
 from __future__ import annotations
 
 import copy
+import math
 import shlex
+from decimal import Decimal
 from typing import Any
 
 from mooncake_k8s.operator import naming
@@ -27,6 +29,18 @@ SSD_DIR = "/var/lib/mooncake/ssd"
 CACHE_DIR = "/var/cache/mooncake"
 SHM_MARGIN = 256 << 20
 BUILTIN_MODEL_NAME = "smollm2-135m-instruct"
+GIB = 1 << 30
+MIB = 1 << 20
+# vLLM's share of /dev/shm (its processes exchange tensors and messages there; NCCL too with
+# tensor parallelism): an eighth of the container's memory within these bounds, or the upper one
+# without a memory request or limit (what vLLM's own Kubernetes guide mounts).
+VLLM_SHM_MIN = 256 * MIB
+VLLM_SHM_MAX = 2 * GIB
+VLLM_CPU_KVCACHE_DEFAULT_GIB = 4
+# Extended resources that put a GPU in the container: nvidia.com/gpu, amd.com/gpu, and MIG
+# slices (nvidia.com/mig-1g.10gb, ...).
+_GPU_SUFFIX = "/gpu"
+_GPU_PREFIXES = ("nvidia.com/mig-",)
 
 _DOWNLOAD = (
     "import sys; from huggingface_hub import snapshot_download; "
@@ -52,8 +66,12 @@ class Ctx:
         override: str | None = self.spec["roles"][role].get("image")
         if override:
             return override
-        if role in ("prefill", "decode") and self.spec["engine"].get("image"):
-            return str(self.spec["engine"]["image"])
+        engine = self.spec["engine"]
+        if role in ("prefill", "decode"):
+            if engine.get("image"):
+                return str(engine["image"])
+            if engine["kind"] != "embedded":
+                return naming.image_variant(str(self.spec["image"]), engine["kind"])
         return str(self.spec["image"])
 
     def token_env(self) -> Obj:
@@ -88,9 +106,9 @@ def _base_env(ctx: Ctx) -> list[Obj]:
     ]
 
 
-def _http_probe(path: str, port: str, period: int, failures: int) -> Obj:
+def _http_probe(path: str, port: str, period: int, failures: int, timeout: int = 5) -> Obj:
     return {"httpGet": {"path": path, "port": port}, "periodSeconds": period,
-            "timeoutSeconds": 5, "failureThreshold": failures}
+            "timeoutSeconds": timeout, "failureThreshold": failures}
 
 
 def _tcp_probe(port: str, period: int, failures: int) -> Obj:
@@ -106,8 +124,55 @@ def _security(ipc_lock: bool = False) -> Obj:
             "runAsNonRoot": True, "capabilities": caps}
 
 
+def is_gpu_resource(name: str) -> bool:
+    return name.endswith(_GPU_SUFFIX) or name.startswith(_GPU_PREFIXES)
+
+
+def gpu_count(spec: Obj, role: str) -> int:
+    """GPUs the role's container asks for (limits, else requests; 0 = a CPU pod)."""
+    res = spec["roles"][role].get("resources") or {}
+    for part in ("limits", "requests"):
+        n = sum(int(v) for k, v in (res.get(part) or {}).items() if is_gpu_resource(k))
+        if n:
+            return n
+    return 0
+
+
+def _memory(spec: Obj, role: str, *order: str) -> int | None:
+    """The container's memory from the first of `order` ('requests', 'limits') that sets it."""
+    res = spec["roles"][role].get("resources") or {}
+    for part in order:
+        q = (res.get(part) or {}).get("memory")
+        if q is not None:
+            try:
+                return naming.parse_bytes(q)
+            except ValueError:
+                return None  # not a quantity: Kubernetes rejects the pod and says why
+    return None
+
+
+def _cpus(spec: Obj, role: str) -> int | None:
+    """Whole CPUs of the container's CPU limit, else its request (rounded up; None if unset)."""
+    res = spec["roles"][role].get("resources") or {}
+    for part in ("limits", "requests"):
+        q = (res.get(part) or {}).get("cpu")
+        if q is not None:
+            text = str(q).strip()
+            try:
+                millis = (Decimal(text[:-1]) if text.endswith("m") else Decimal(text) * 1000)
+            except ArithmeticError:
+                return None  # not a quantity: Kubernetes rejects the pod and says why
+            return max(1, math.ceil(millis / 1000))
+    return None
+
+
 def _resources(ctx: Ctx, role: str) -> Obj:
     res = copy.deepcopy(ctx.spec["roles"][role].get("resources") or {})
+    # A GPU is an extended resource: Kubernetes requires it in limits (requests may only repeat
+    # it). Someone who wrote it under requests alone meant to ask for it.
+    for name, count in (res.get("requests") or {}).items():
+        if is_gpu_resource(name):
+            res.setdefault("limits", {}).setdefault(name, count)
     if ctx.rdma_on(role):
         rname, count = ctx.spec["rdma"]["resourceName"], ctx.spec["rdma"]["count"]
         # Extended resources need requests == limits; setting limits implies the request.
@@ -292,23 +357,71 @@ def _role_env(ctx: Ctx, role: str) -> tuple[list[Obj], list[str]]:
     if role == "decode":
         env.append(_env("MOONCAKE_LOCAL_SEGMENT_SIZE",
                         naming.parse_bytes(spec["roles"]["decode"]["localSegmentSize"])))
+    if spec["engine"]["kind"] == "vllm":
+        env += _vllm_env(spec, role)
     return env, [role]
 
 
+def _vllm_env(spec: Obj, role: str) -> list[Obj]:
+    """vLLM's own settings. The worker starts vLLM with its environment, so they go here."""
+    env = [_env("VLLM_NO_USAGE_STATS", 1),  # no usage reports to vLLM's servers from a cluster
+           _env("HF_HUB_OFFLINE", 1)]  # the model is a local directory: never reach the Hub
+    if gpu_count(spec, role):
+        return env
+    # vLLM's CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE alone (GiB, default 4):
+    # half of the memory request left after /dev/shm (which counts against the pod's memory),
+    # the other half for weights, activations and the runtime.
+    memory = _memory(spec, role, "requests", "limits")
+    kv_gib = VLLM_CPU_KVCACHE_DEFAULT_GIB
+    if memory is not None:
+        kv_gib = max(1, (memory - (shm_bytes(spec, role) or 0)) // 2 // GIB)
+    # nobind: vLLM would otherwise pin its OpenMP threads to cores it picks itself, which may
+    # lie outside the container's cpuset. The thread count follows the CPU the pod may use,
+    # not the node's core count.
+    env += [_env("VLLM_CPU_KVCACHE_SPACE", kv_gib), _env("VLLM_CPU_OMP_THREADS_BIND", "nobind")]
+    cpus = _cpus(spec, role)
+    if cpus is not None:
+        env.append(_env("OMP_NUM_THREADS", cpus))
+    return env
+
+
 def shm_bytes(spec: Obj, role: str) -> int | None:
+    """Size of the role's Memory-backed /dev/shm (None: the role has none)."""
     r = spec["roles"][role]
     if role == "store":
         return naming.parse_bytes(spec["store"]["dramPerNode"]) + SHM_MARGIN
     if role == "decode":
         if r.get("shmSize") is not None:
-            return naming.parse_bytes(r["shmSize"])
-        return naming.parse_bytes(r["localSegmentSize"]) + (1 << 30)
-    if role == "prefill":
-        return naming.parse_bytes(r["shmSize"])
-    return None
+            size = naming.parse_bytes(r["shmSize"])
+        else:
+            size = naming.parse_bytes(r["localSegmentSize"]) + GIB
+    elif role == "prefill":
+        size = naming.parse_bytes(r["shmSize"])
+    else:
+        return None
+    if spec["engine"]["kind"] == "vllm":
+        size += vllm_shm_bytes(spec, role)
+    return size
 
 
-def _probes(role: str) -> Obj:
+def vllm_shm_bytes(spec: Obj, role: str) -> int:
+    """vLLM's share of /dev/shm: 1/8 of the container's memory (limit, else request) in whole
+    MiB within [VLLM_SHM_MIN, VLLM_SHM_MAX]; VLLM_SHM_MAX when neither is set."""
+    memory = _memory(spec, role, "limits", "requests")
+    if memory is None:
+        return VLLM_SHM_MAX
+    return min(VLLM_SHM_MAX, max(VLLM_SHM_MIN, memory // 8 // MIB * MIB))
+
+
+def _probes(role: str, engine: str = "embedded") -> Obj:
+    if role in ("prefill", "decode") and engine == "vllm":
+        # vLLM starts in ~40 s on a CPU and in minutes on a GPU (weights, torch.compile, CUDA
+        # graphs); /readyz says 503 meanwhile. The startup probe allows an hour before liveness
+        # counts, and both probes allow 10 s answers: vLLM keeps every core busy while it loads
+        # and serves, and the worker's health thread shares them.
+        return {"startupProbe": _http_probe("/healthz", "metrics", 10, 360, timeout=10),
+                "livenessProbe": _http_probe("/healthz", "metrics", 10, 6, timeout=10),
+                "readinessProbe": _http_probe("/readyz", "metrics", 5, 6, timeout=10)}
     if role in ("prefill", "decode"):
         # Loading weights can take many minutes; the startup probe holds liveness off meanwhile.
         return {"startupProbe": _http_probe("/healthz", "metrics", 10, 180),
@@ -363,7 +476,7 @@ def pod_template(ctx: Ctx, role: str) -> Obj:
         "ports": _ports(role),
         "volumeMounts": mounts,
         "securityContext": _security(ctx.rdma_on(role)),
-        **_probes(role),
+        **_probes(role, spec["engine"]["kind"]),
     }
     res = _resources(ctx, role)
     if res:

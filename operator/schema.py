@@ -109,8 +109,13 @@ def array(desc: str, items: Schema, *, max_items: int | None = None) -> Schema:
     return _d(s, desc)
 
 
-def rule(expr: str, message: str, *, field_path: str | None = None) -> Schema:
+def rule(expr: str, message: str, *, field_path: str | None = None,
+         message_expression: str | None = None) -> Schema:
+    """A CEL rule. `message_expression` (a CEL string expression) words the error from the
+    object; `message` stays as the fallback the API server uses if it fails."""
     r: Schema = {"rule": expr, "message": message}
+    if message_expression is not None:
+        r["messageExpression"] = message_expression
     if field_path is not None:
         r["fieldPath"] = field_path
     return r
@@ -201,19 +206,54 @@ def _model() -> Schema:
     )
 
 
+ENGINES = ("embedded", "vllm", "sglang")
+# Flags the vLLM worker sets itself (`mooncake_k8s.engine.vllm.server.OWNED_FLAGS`); engine.args
+# may not repeat them, or every prefill and decode pod would exit at start.
+VLLM_OWNED_FLAGS = ("--model", "--host", "--port", "--served-model-name", "--block-size",
+                    "--kv-transfer-config")
+
+
 def _engine() -> Schema:
+    owned = "[" + ", ".join(f"'{f}'" for f in VLLM_OWNED_FLAGS) + "]"
     return obj(
         "The inference engine prefill and decode run.",
         {
-            "kind": string("`embedded` (PyTorch, CPU or CUDA, for small models and laptops) or "
-                           "`sglang` (GPU workers wired to this project's KV store).",
-                           default="embedded", enum=("embedded", "sglang")),
-            "image": string("Image for prefill and decode when it differs from spec.image "
-                            "(for example an SGLang build); it must carry the `mooncake` CLI."),
-            "args": array("Extra arguments passed to the engine (SGLang server flags).",
-                          string("One argument."), max_items=64),
+            "kind": string(
+                "`embedded` (PyTorch, CPU or CUDA, for small models and laptops), `vllm` (each "
+                "prefill and decode worker starts a vLLM server on 127.0.0.1 inside its pod, "
+                "wired to this project's KV store; CUDA or vLLM's CPU build) or `sglang` (GPU "
+                "workers wired to this project's KV store). vllm and sglang need a model "
+                "source. vllm pods get a larger Memory-backed /dev/shm (vLLM's processes share "
+                "memory: 1/8 of the container's memory, 256Mi to 2Gi, 2Gi without a memory "
+                "request or limit) and, without a GPU resource (nvidia.com/gpu, amd.com/gpu), "
+                "VLLM_CPU_KVCACHE_SPACE (GiB of KV cache: half the memory request left after "
+                "/dev/shm, at least 1; 4 without a request), VLLM_CPU_OMP_THREADS_BIND=nobind "
+                "and OMP_NUM_THREADS (the CPU limit or request); set env in "
+                "roles.<role>.podTemplate to override them.",
+                default="embedded", enum=ENGINES),
+            "image": string(
+                "Image for prefill and decode; it must carry the `mooncake` CLI and the engine. "
+                "Default: spec.image for embedded; for vllm and sglang spec.image with "
+                "`-<kind>` appended to its tag (`mooncake-k8s:0.1.0` -> "
+                "`mooncake-k8s:0.1.0-vllm`), the variant the Dockerfile builds with "
+                "`--build-arg ENGINE=<kind>`. Required when spec.image is pinned by digest. "
+                "roles.<role>.image still wins over it."),
+            "args": array(
+                "Extra arguments passed through to the engine (MOONCAKE_ENGINE_ARGS): vLLM "
+                "server flags (for example `--max-model-len`, `--dtype`, `--enforce-eager`, "
+                "`--tensor-parallel-size`) except those the worker sets itself ("
+                + ", ".join(VLLM_OWNED_FLAGS) + "), or SGLang server flags.",
+                string("One argument.", max_length=4096), max_items=64),
         },
         default={},
+        rules=(
+            rule(f"self.kind != 'vllm' || !has(self.args) || !self.args.exists(a, {owned}"
+                 ".exists(f, a == f || a.startsWith(f + '=')))",
+                 "engine.args: --model, --host, --port, --served-model-name, --block-size and "
+                 "--kv-transfer-config are set by the vllm worker (use spec.model, "
+                 "spec.store.blockTokens); remove them from engine.args",
+                 field_path=".args"),
+        ),
     )
 
 
@@ -264,7 +304,9 @@ def _roles() -> Schema:
                 max_length=253),
         }),
         "prefill": _role("prefill", 1, {
-            "shmSize": size("Memory-backed /dev/shm of each prefill pod (transfer buffers).",
+            "shmSize": size("Memory-backed /dev/shm of each prefill pod (transfer buffers); "
+                            "with engine.kind vllm the pod's /dev/shm also gets vLLM's share "
+                            "(see engine.kind).",
                             default="1Gi"),
         }),
         "decode": _role("decode", 1, {
@@ -273,7 +315,8 @@ def _roles() -> Schema:
                 default="2Gi"),
             "shmSize": size("Memory-backed /dev/shm of each decode pod; must hold "
                             "localSegmentSize plus transfer buffers (default: localSegmentSize "
-                            "+ 1Gi)."),
+                            "+ 1Gi). With engine.kind vllm the pod's /dev/shm also gets "
+                            "vLLM's share (see engine.kind)."),
         }),
         "store": _role("store", 1),
         "master": _role("master", 1),
@@ -465,11 +508,22 @@ def cluster_spec_schema() -> Schema:
             rule("!self.rdma.enabled || self.transferProtocol != 'tcp'",
                  "rdma.enabled contradicts transferProtocol tcp; use auto or rdma",
                  field_path=".rdma.enabled"),
-            rule("self.engine.kind != 'sglang' || has(self.model.huggingFace) || "
+            rule("self.engine.kind == 'embedded' || has(self.model.huggingFace) || "
                  "has(self.model.pvc) || has(self.model.hostPath) || has(self.model.image)",
-                 "engine.kind sglang needs a model source (huggingFace, pvc, hostPath or "
-                 "image); the built-in model only runs on the embedded engine",
-                 field_path=".model"),
+                 "engine.kind vllm and sglang need a model source (huggingFace, pvc, hostPath "
+                 "or image); the built-in model only runs on the embedded engine",
+                 field_path=".model",
+                 message_expression="'engine.kind ' + self.engine.kind + ' needs a model "
+                                    "source (huggingFace, pvc, hostPath or image); the "
+                                    "built-in model only runs on the embedded engine'"),
+            rule("self.engine.kind == 'embedded' || "
+                 "(has(self.engine.image) && self.engine.image != '') || "
+                 "!self.image.contains('@') || ("
+                 "has(self.roles.prefill.image) && self.roles.prefill.image != '' && "
+                 "has(self.roles.decode.image) && self.roles.decode.image != '')",
+                 "spec.image is pinned by digest, so the engine's image variant cannot be "
+                 "derived from it; set engine.image",
+                 field_path=".engine.image"),
             rule("self.roles.master.replicas == 1 || self.metadataBackend.type == 'redis'",
                  "more than one master needs metadataBackend.type redis (leader election)",
                  field_path=".roles.master.replicas"),

@@ -123,6 +123,16 @@ def _program(expr: str) -> Any:
     return env.program(env.compile(expr))
 
 
+def _message(r: Schema, act: dict[str, Any]) -> str:
+    """The rule's messageExpression when it evaluates to a non-empty string, else its message
+    (the API server's fallback order)."""
+    if "messageExpression" in r:
+        text = _program(r["messageExpression"]).evaluate(act)
+        if isinstance(text, str) and text.strip():
+            return str(text)
+    return str(r["message"])
+
+
 def _cel_errors(s: Schema, value: Any, old: Any, path: list[Any]) -> Iterator[str]:
     for r in s.get("x-kubernetes-validations", ()):
         transition = re.search(r"\boldSelf\b", r["rule"]) is not None
@@ -135,7 +145,7 @@ def _cel_errors(s: Schema, value: Any, old: Any, path: list[Any]) -> Iterator[st
         if isinstance(result, Exception) or not bool(result):
             where = _path([*path, *[p for p in r.get("fieldPath", "").split(".") if p]])
             detail = f" (rule error: {result})" if isinstance(result, Exception) else ""
-            yield f"{where}: {r['message']}{detail}"
+            yield f"{where}: {_message(r, act)}{detail}"
     if isinstance(value, dict):
         props: dict[str, Schema] = s.get("properties", {})
         for key, sub in props.items():

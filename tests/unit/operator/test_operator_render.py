@@ -48,7 +48,7 @@ def _template(r: Rendered, role: str) -> Obj:
     return t
 
 
-@pytest.mark.parametrize("stem", ["laptop-cpu", "gpu-rdma"])
+@pytest.mark.parametrize("stem", ["laptop-cpu", "gpu-rdma", "vllm-cpu"])
 def test_render_cli_matches_golden(repo: Path, stem: str) -> None:
     result = CliRunner().invoke(main, ["render", "-f", str(repo / "deploy/examples" /
                                                            f"{stem}.yaml")])
@@ -315,3 +315,193 @@ def test_render_cli_reads_stdin_and_sets_namespace(make_cluster: Callable[..., O
     assert result.exit_code == 0, result.output
     docs = list(yaml.safe_load_all(result.output))
     assert len(docs) == 26 and {d["metadata"]["namespace"] for d in docs} == {"team-a"}
+
+
+# ---- vLLM workers
+
+VLLM_MODEL = {"pvc": {"claimName": "weights"}}
+
+
+def _vllm(make_cluster: Callable[..., Obj], roles: Obj | None = None, **spec: Any) -> Rendered:
+    return _render(make_cluster({"engine": {"kind": "vllm"}, "model": VLLM_MODEL,
+                                 "roles": roles or {}, **spec}))
+
+
+def _volume(t: Obj, name: str) -> Obj:
+    v: Obj = next(v for v in t["spec"]["volumes"] if v["name"] == name)
+    return v
+
+
+def test_vllm_cpu_pods(make_cluster: Callable[..., Obj]) -> None:
+    """Same command as the embedded engine; vLLM's CPU settings derived from the resources."""
+    res = {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"cpu": "3500m",
+                                                                 "memory": "16Gi"}}
+    r = _vllm(make_cluster, {"prefill": {"resources": res}, "decode": {"resources": res}},
+              engine={"kind": "vllm", "args": ["--max-model-len", "4096", "--dtype", "bf16 x"]})
+    for role in ("prefill", "decode"):
+        t = _template(r, role)
+        c = _container(t, role)
+        env = {k: v.get("value") for k, v in _env(c).items()}
+        assert c["args"] == [role] and "command" not in c  # the image's `mooncake` entrypoint
+        assert c["image"] == "mooncake-k8s:0.1.0-vllm"
+        assert env["MOONCAKE_ENGINE"] == "vllm" and env["MOONCAKE_MODEL"] == "/models"
+        assert env["MOONCAKE_ENGINE_ARGS"] == "--max-model-len 4096 --dtype 'bf16 x'"
+        assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+        assert env["OMP_NUM_THREADS"] == "4"  # the 3.5-CPU limit, rounded up
+        assert env["VLLM_NO_USAGE_STATS"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+        # /dev/shm: the transfer share plus vLLM's 2Gi (1/8 of 16Gi)
+        transfer = {"prefill": 1 << 30, "decode": 3 << 30}[role]
+        shm = _volume(t, "dshm")["emptyDir"]
+        assert shm == {"medium": "Memory",
+                       "sizeLimit": naming.format_bytes(transfer + (2 << 30))}
+        assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+        # KV cache: half of the 8Gi request left after /dev/shm, in whole GiB
+        assert env["VLLM_CPU_KVCACHE_SPACE"] == str((8 * 2**30 - transfer - 2**31) // 2 // 2**30)
+        assert _volume(t, "model")["persistentVolumeClaim"] == {"claimName": "weights",
+                                                                 "readOnly": True}
+        assert {"name": "model", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
+        assert "nvidia.com/gpu" not in str(c["resources"])
+        kubernetes_validate.validate(r.get("StatefulSet", f"demo-{role}"), K8S_VERSION, True)
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"  # decode: (8 - 3 - 2) / 2, rounded down
+
+
+def test_vllm_cpu_defaults_without_resources(make_cluster: Callable[..., Obj]) -> None:
+    t = _template(_vllm(make_cluster), "prefill")
+    env = {k: v.get("value") for k, v in _env(_container(t, "prefill")).items()}
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "4"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert "OMP_NUM_THREADS" not in env  # no CPU limit or request: vLLM's own choice
+    assert _volume(t, "dshm")["emptyDir"]["sizeLimit"] == "3Gi"  # 1Gi shmSize + 2Gi for vLLM
+
+
+def test_vllm_shm_follows_the_memory(make_cluster: Callable[..., Obj]) -> None:
+    def shm(resources: Obj) -> str:
+        t = _template(_vllm(make_cluster, {"prefill": {"resources": resources,
+                                                       "shmSize": "512Mi"}}), "prefill")
+        size: str = _volume(t, "dshm")["emptyDir"]["sizeLimit"]
+        return size
+
+    assert shm({"limits": {"memory": "6Gi"}}) == "1280Mi"  # 512Mi + 6Gi/8
+    assert shm({"requests": {"memory": "6Gi"}}) == "1280Mi"  # the request when no limit
+    assert shm({"limits": {"memory": "1Gi"}}) == "768Mi"  # vLLM gets at least 256Mi
+    assert shm({"limits": {"memory": "256Gi"}}) == "2560Mi"  # and at most 2Gi
+    assert shm({"limits": {"memory": "6G"}}) == "1227Mi"  # decimal: whole MiB of 6G/8
+
+
+def test_vllm_gpu_pods(examples: dict[str, Obj], make_cluster: Callable[..., Obj]) -> None:
+    """A GPU resource makes a GPU pod: no CPU-build settings, the GPU in limits."""
+    gpu = {"requests": {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": 1},
+           "limits": {"memory": "96Gi", "nvidia.com/gpu": 1}}
+    requests_only = {"requests": {"memory": "64Gi", "nvidia.com/gpu": 2}}
+    r = _vllm(make_cluster, {"prefill": {"resources": gpu},
+                             "decode": {"resources": requests_only}},
+              engine={"kind": "vllm", "image": "reg.example/mooncake-k8s:0.1.0-vllm-cu128",
+                      "args": ["--tensor-parallel-size", "2"]})
+    for role, count in (("prefill", 1), ("decode", 2)):
+        t = _template(r, role)
+        c = _container(t, role)
+        env = {k: v.get("value") for k, v in _env(c).items()}
+        assert c["image"] == "reg.example/mooncake-k8s:0.1.0-vllm-cu128"
+        assert env["MOONCAKE_ENGINE"] == "vllm"
+        assert env["MOONCAKE_ENGINE_ARGS"] == "--tensor-parallel-size 2"
+        assert not {"VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
+                    "OMP_NUM_THREADS"} & set(env)
+        # Kubernetes wants extended resources in limits; a GPU under requests alone moves there
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == count
+        assert _volume(t, "dshm")["emptyDir"]["medium"] == "Memory"
+        kubernetes_validate.validate(r.get("StatefulSet", f"demo-{role}"), K8S_VERSION, True)
+    assert _volume(_template(r, "prefill"), "dshm")["emptyDir"]["sizeLimit"] == "3Gi"
+    # The shipped GPU example (SGLang) renders as before: its engine image, no vLLM settings.
+    g = render(validate_cluster(examples["gpu-rdma"]))
+    c = _container(g.get("StatefulSet", "qwen-prefill")["spec"]["template"], "prefill")
+    assert c["image"] == "registry.example.com/mooncake-k8s-sglang:0.1.0"
+    assert not any(e["name"].startswith("VLLM_") for e in c["env"])
+
+
+def test_vllm_probes_allow_a_slow_start(make_cluster: Callable[..., Obj]) -> None:
+    embedded = _container(_template(_render(make_cluster()), "prefill"), "prefill")
+    for role in ("prefill", "decode"):
+        c = _container(_template(_vllm(make_cluster), role), role)
+        assert c["startupProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+        assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+
+        def budget(p: Obj) -> int:
+            return int(p["periodSeconds"] * p["failureThreshold"])
+
+        assert budget(c["startupProbe"]) >= 3600 > budget(embedded["startupProbe"])
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert c[probe]["timeoutSeconds"] > embedded[probe]["timeoutSeconds"]
+        assert budget(c["readinessProbe"]) > budget(embedded["readinessProbe"])
+
+
+def test_vllm_image_variant(make_cluster: Callable[..., Obj]) -> None:
+    def images(**spec: Any) -> dict[str, str]:
+        r = _vllm(make_cluster, spec.pop("roles", None), **spec)
+        return {role: _container(_template(r, role), role)["image"] for role in ROLES}
+
+    assert images(image="reg.example:5000/mc/mooncake-k8s:1.2") == {
+        "prefill": "reg.example:5000/mc/mooncake-k8s:1.2-vllm",
+        "decode": "reg.example:5000/mc/mooncake-k8s:1.2-vllm",
+        "conductor": "reg.example:5000/mc/mooncake-k8s:1.2",
+        "store": "reg.example:5000/mc/mooncake-k8s:1.2",
+        "master": "reg.example:5000/mc/mooncake-k8s:1.2"}
+    assert images(engine={"kind": "vllm", "image": "mine:v"})["decode"] == "mine:v"
+    assert images(roles={"decode": {"image": "d:1"}})["decode"] == "d:1"  # a role's image wins
+    assert images(roles={"decode": {"image": "d:1"}})["prefill"] == "mooncake-k8s:0.1.0-vllm"
+    # The model download runs in the worker image too (it has huggingface_hub).
+    r = _vllm(make_cluster, model={"huggingFace": {"id": "Qwen/Qwen2.5-0.5B"}})
+    t = _template(r, "prefill")
+    (dl,) = t["spec"]["initContainers"]
+    assert dl["image"] == "mooncake-k8s:0.1.0-vllm"
+    assert _env(_container(t, "prefill"))["MOONCAKE_MODEL"]["value"] == "/models/hf"
+
+
+def test_image_variant_names() -> None:
+    assert naming.image_variant("mooncake-k8s:0.1.0", "vllm") == "mooncake-k8s:0.1.0-vllm"
+    assert naming.image_variant("mooncake-k8s", "vllm") == "mooncake-k8s:latest-vllm"
+    assert naming.image_variant("localhost:5000/mooncake-k8s", "sglang") == (
+        "localhost:5000/mooncake-k8s:latest-sglang")
+    assert naming.image_variant("localhost:5000/m:0.1", "vllm") == "localhost:5000/m:0.1-vllm"
+    with pytest.raises(ValueError, match="pinned by digest"):
+        naming.image_variant("m@sha256:" + "0" * 64, "vllm")
+
+
+def test_vllm_changes_the_serving_revision(make_cluster: Callable[..., Obj]) -> None:
+    base = _render(make_cluster({"model": VLLM_MODEL}))
+    r = _vllm(make_cluster)
+    assert r.serving_revision != base.serving_revision
+    assert r.revisions["store"] == base.revisions["store"]  # other roles do not roll
+
+
+def test_vllm_shm_counts_against_the_memory_limit(make_cluster: Callable[..., Obj]) -> None:
+    # 1Gi transfer + 256Mi for vLLM do not fit a 1Gi limit; the embedded engine's 1Gi does.
+    roles = {"prefill": {"resources": {"limits": {"memory": "1Gi"}}}}
+    _render(make_cluster({"model": VLLM_MODEL, "roles": roles}))
+    with pytest.raises(SpecError, match=r"roles.prefill.resources.limits.memory \(1Gi\) is "
+                                        r"below the role's Memory-backed /dev/shm \(1280Mi\)"):
+        _vllm(make_cluster, roles)
+
+
+def test_vllm_env_can_be_overridden_per_role(make_cluster: Callable[..., Obj]) -> None:
+    override = {"spec": {"containers": [{"name": "decode", "env": [
+        {"name": "VLLM_CPU_KVCACHE_SPACE", "value": "12"}]}]}}
+    t = _template(_vllm(make_cluster, {"decode": {"podTemplate": override}}), "decode")
+    env = _env(_container(t, "decode"))
+    assert env["VLLM_CPU_KVCACHE_SPACE"]["value"] == "12"
+    assert [e["name"] for e in _container(t, "decode")["env"]].count(
+        "VLLM_CPU_KVCACHE_SPACE") == 1
+
+
+def test_vllm_cpu_example(examples: dict[str, Obj]) -> None:
+    r = render(validate_cluster(examples["vllm-cpu"]))
+    for role, replicas in (("prefill", 2), ("decode", 1)):
+        sts = r.get("StatefulSet", f"vllm-cpu-{role}")
+        assert sts["spec"]["replicas"] == replicas
+        c = _container(sts["spec"]["template"], role)
+        env = {k: v.get("value") for k, v in _env(c).items()}
+        assert c["image"] == "mooncake-k8s:0.1.0-vllm" and c["args"] == [role]
+        assert env["MOONCAKE_ENGINE"] == "vllm"
+        assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["OMP_NUM_THREADS"] == "2"
+        assert "--enforce-eager" in env["MOONCAKE_ENGINE_ARGS"]
+        vols = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+        assert vols["model"]["persistentVolumeClaim"]["claimName"] == "smollm2-135m-instruct"

@@ -105,7 +105,7 @@ def test_defaulting_keeps_what_the_user_set(make_cluster: Callable[..., Obj]) ->
 
 
 def test_examples_are_valid(examples: dict[str, Obj]) -> None:
-    assert {"laptop-cpu", "gpu-rdma"} <= set(examples)
+    assert {"laptop-cpu", "gpu-rdma", "vllm-cpu"} <= set(examples)
     for doc in examples.values():
         validate_cluster(doc)
 
@@ -142,14 +142,28 @@ INVALID: list[tuple[str, Obj, str]] = [
      "spec.metadataBackend.redisUrlSecret: metadataBackend.type redis needs"),
     ("sglang-without-model", {"engine": {"kind": "sglang"}},
      "spec.model: engine.kind sglang needs a model source"),
+    ("vllm-without-model", {"engine": {"kind": "vllm"}},
+     "spec.model: engine.kind vllm needs a model source (huggingFace, pvc, hostPath or image)"),
+    ("vllm-args-set-the-model", {"engine": {"kind": "vllm", "args": ["--model=/m"]},
+                                 "model": {"hostPath": {"path": "/m"}}},
+     "spec.engine.args: engine.args: --model, --host, --port, --served-model-name, "
+     "--block-size and --kv-transfer-config are set by the vllm worker"),
+    ("vllm-args-set-the-block-size", {"engine": {"kind": "vllm",
+                                                 "args": ["--dtype", "bfloat16",
+                                                          "--block-size", "16"]},
+                                      "model": {"hostPath": {"path": "/m"}}},
+     "spec.engine.args: engine.args: --model, --host"),
+    ("vllm-image-by-digest", {"image": "reg.example/mooncake-k8s@sha256:" + "0" * 64,
+                              "engine": {"kind": "vllm"}, "model": {"hostPath": {"path": "/m"}}},
+     "spec.engine.image: spec.image is pinned by digest, so the engine's image variant cannot"),
     ("two-model-sources", {"model": {"hostPath": {"path": "/m"}, "pvc": {"claimName": "m"}}},
      "spec.model: model: set at most one of huggingFace, pvc, hostPath, image"),
     ("size-with-space", {"store": {"dramPerNode": "4 GB"}},
      "spec.store.dramPerNode: '4 GB' is not a size"),
     ("unknown-field-typo", {"roles": {"prefil": {"replicas": 2}}},
      "spec.roles.prefil: unknown field"),
-    ("unknown-engine", {"engine": {"kind": "vllm"}},
-     "spec.engine.kind: 'vllm' is not one of ['embedded', 'sglang']"),
+    ("unknown-engine", {"engine": {"kind": "tgi"}},
+     "spec.engine.kind: 'tgi' is not one of ['embedded', 'vllm', 'sglang']"),
     ("negative-replicas", {"roles": {"decode": {"replicas": -1}}},
      "spec.roles.decode.replicas: -1 is less than the minimum of 0"),
     ("zero-masters", {"roles": {"master": {"replicas": 0}}},
@@ -227,3 +241,36 @@ def test_scaler_role_is_immutable() -> None:
     bad["spec"]["role"] = "router"
     with pytest.raises(InvalidResource, match="'router' is not one of"):
         validate(s, bad)
+
+
+def test_vllm_accepts_a_model_source_and_its_own_args(make_cluster: Callable[..., Obj]) -> None:
+    """What the vllm rules must not reject: flags that only share a prefix with an owned one,
+    a digest-pinned spec.image with an explicit engine image, the same args for sglang."""
+    model = {"pvc": {"claimName": "weights"}}
+    args = ["--model-impl", "vllm", "--max-model-len=4096", "--hostname-unrelated"]
+    spec = validate_cluster(make_cluster({"engine": {"kind": "vllm", "args": args},
+                                          "model": model}))["spec"]
+    assert spec["engine"] == {"kind": "vllm", "args": args}
+    digest = "reg.example/mooncake-k8s@sha256:" + "0" * 64
+    validate_cluster(make_cluster({"image": digest, "model": model, "engine": {
+        "kind": "vllm", "image": "reg.example/mooncake-k8s:0.1.0-vllm"}}))
+    validate_cluster(make_cluster({"image": digest, "model": model, "engine": {"kind": "vllm"},
+                                   "roles": {"prefill": {"image": "p:1"},
+                                             "decode": {"image": "d:1"}}}))
+    validate_cluster(make_cluster({"image": digest}))  # embedded runs spec.image itself
+    validate_cluster(make_cluster({"engine": {"kind": "sglang", "args": ["--port", "1"]},
+                                   "model": model}))
+
+
+def test_model_source_message_names_the_engine_kind(make_cluster: Callable[..., Obj]) -> None:
+    """The rule's messageExpression words the error; the static message is the fallback an
+    API server without messageExpression support shows."""
+    (r,) = [r for r in schema.cluster_spec_schema()["x-kubernetes-validations"]
+            if "need a model source" in r["message"]]
+    assert "vllm and sglang" in r["message"] and r["fieldPath"] == ".model"
+    for kind in ("vllm", "sglang"):
+        with pytest.raises(InvalidResource) as err:
+            validate_cluster(make_cluster({"engine": {"kind": kind}}))
+        assert err.value.errors == [
+            f"spec.model: engine.kind {kind} needs a model source (huggingFace, pvc, hostPath "
+            "or image); the built-in model only runs on the embedded engine"]
