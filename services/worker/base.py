@@ -267,8 +267,7 @@ def run_worker(worker: Worker) -> None:
         engine = worker.engine
         failed = engine.failure() if engine is not None else None
         if failed:
-            log.error(f"{worker.role} engine failed; stopping so it is restarted",
-                      extra={"error": failed})
+            log.error(f"{worker.role} engine failed ({failed}); stopping so it is restarted")
             break
     log.info(f"{worker.role} draining")
     worker.drain_and_stop()
