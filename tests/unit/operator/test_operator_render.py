@@ -42,6 +42,11 @@ def _env(container: Obj) -> dict[str, Obj]:
     return {e["name"]: e for e in container.get("env", [])}
 
 
+def _values(container: Obj) -> dict[str, str]:
+    """Literal env values by name (entries from the downward API or Secrets left out)."""
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
 def _template(r: Rendered, role: str) -> Obj:
     kind = "Deployment" if role == "conductor" else "StatefulSet"
     t: Obj = r.get(kind, naming.name("demo", role))["spec"]["template"]
@@ -341,7 +346,7 @@ def test_vllm_cpu_pods(make_cluster: Callable[..., Obj]) -> None:
     for role in ("prefill", "decode"):
         t = _template(r, role)
         c = _container(t, role)
-        env = {k: v.get("value") for k, v in _env(c).items()}
+        env = _values(c)
         assert c["args"] == [role] and "command" not in c  # the image's `mooncake` entrypoint
         assert c["image"] == "mooncake-k8s:0.1.0-vllm"
         assert env["MOONCAKE_ENGINE"] == "vllm" and env["MOONCAKE_MODEL"] == "/models"
@@ -367,7 +372,7 @@ def test_vllm_cpu_pods(make_cluster: Callable[..., Obj]) -> None:
 
 def test_vllm_cpu_defaults_without_resources(make_cluster: Callable[..., Obj]) -> None:
     t = _template(_vllm(make_cluster), "prefill")
-    env = {k: v.get("value") for k, v in _env(_container(t, "prefill")).items()}
+    env = _values(_container(t, "prefill"))
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "4"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert "OMP_NUM_THREADS" not in env  # no CPU limit or request: vLLM's own choice
@@ -400,7 +405,7 @@ def test_vllm_gpu_pods(examples: dict[str, Obj], make_cluster: Callable[..., Obj
     for role, count in (("prefill", 1), ("decode", 2)):
         t = _template(r, role)
         c = _container(t, role)
-        env = {k: v.get("value") for k, v in _env(c).items()}
+        env = _values(c)
         assert c["image"] == "reg.example/mooncake-k8s:0.1.0-vllm-cu128"
         assert env["MOONCAKE_ENGINE"] == "vllm"
         assert env["MOONCAKE_ENGINE_ARGS"] == "--tensor-parallel-size 2"
@@ -498,7 +503,7 @@ def test_vllm_cpu_example(examples: dict[str, Obj]) -> None:
         sts = r.get("StatefulSet", f"vllm-cpu-{role}")
         assert sts["spec"]["replicas"] == replicas
         c = _container(sts["spec"]["template"], role)
-        env = {k: v.get("value") for k, v in _env(c).items()}
+        env = _values(c)
         assert c["image"] == "mooncake-k8s:0.1.0-vllm" and c["args"] == [role]
         assert env["MOONCAKE_ENGINE"] == "vllm"
         assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["OMP_NUM_THREADS"] == "2"
