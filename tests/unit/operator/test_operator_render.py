@@ -453,6 +453,11 @@ def test_vllm_image_variant(make_cluster: Callable[..., Obj]) -> None:
     assert images(engine={"kind": "vllm", "image": "mine:v"})["decode"] == "mine:v"
     assert images(roles={"decode": {"image": "d:1"}})["decode"] == "d:1"  # a role's image wins
     assert images(roles={"decode": {"image": "d:1"}})["prefill"] == "mooncake-k8s:0.1.0-vllm"
+    sglang = _render(make_cluster({"engine": {"kind": "sglang"}, "model": VLLM_MODEL}))
+    assert _container(_template(sglang, "decode"), "decode")["image"] == (
+        "mooncake-k8s:0.1.0-sglang")  # the Dockerfile's ENGINE=sglang variant
+    embedded = _render(make_cluster())
+    assert _container(_template(embedded, "decode"), "decode")["image"] == "mooncake-k8s:0.1.0"
     # The model download runs in the worker image too (it has huggingface_hub).
     r = _vllm(make_cluster, model={"huggingFace": {"id": "Qwen/Qwen2.5-0.5B"}})
     t = _template(r, "prefill")
