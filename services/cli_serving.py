@@ -49,6 +49,10 @@ _worker_opts = [
                  help="One argument passed through to the engine (repeatable; e.g. "
                       "--engine-arg=--max-model-len=4096). Also everything after `--`, and "
                       "MOONCAKE_ENGINE_ARGS (one shell-quoted string)."),
+    click.option("--engine-ready-timeout", envvar="MOONCAKE_ENGINE_READY_TIMEOUT",
+                 default=900.0, show_default=True, show_envvar=True,
+                 type=click.FloatRange(min=1), help="Seconds an engine server (vLLM) may take "
+                 "to load before the worker exits with an error."),
     click.argument("engine_argv", nargs=-1, type=click.UNPROCESSED),
     click.option("--metrics-port", envvar="MOONCAKE_METRICS_PORT", default=9090,
                  show_default=True, show_envvar=True, type=click.IntRange(-1, 65535),
@@ -126,6 +130,7 @@ def _worker(role: str, o: dict[str, Any], **extra: Any) -> None:
         metrics_port=None if o["metrics_port"] < 0 else o["metrics_port"],
         instance_id=o["instance_id"] or f"{socket.gethostname()}-{os.getpid()}",
         revision=o["revision"], transport=transport, engine_kind=kind, engine_args=args,
+        engine_ready_timeout_s=o["engine_ready_timeout"],
         **extra,
     )
     if role == "prefill":

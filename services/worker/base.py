@@ -58,6 +58,8 @@ class WorkerConfig:
     engine_kind: str = "embedded"
     engine_args: list[str] = field(default_factory=list)
     """Passed through to the engine (vLLM server flags); the embedded engine takes none."""
+    engine_ready_timeout_s: float = 900.0
+    """How long an engine server (vLLM) may take to load before the worker gives up."""
 
 
 class Worker:
@@ -265,7 +267,7 @@ def run_worker(worker: Worker) -> None:
     failed: str | None = None
     while not done.wait(0.5):
         engine = worker.engine
-        failed = engine.failure() if engine is not None else None
+        failed = engine.failure() if engine is not None else worker.engine_error
         if failed:
             log.error(f"{worker.role} engine failed ({failed}); stopping so it is restarted")
             break

@@ -66,6 +66,7 @@ class _Vllm:
             model_dir=path, served_name=name, fingerprint=fp.hex(),
             block_tokens=config.engine.block_tokens, master=config.master, token=config.token,
             role=config.role, extra_args=list(config.engine_args), transport=config.transport,
+            ready_timeout_s=config.engine_ready_timeout_s,
         ))
         self.server.start()
         ident = self.server.identity

@@ -185,7 +185,7 @@ class MooncakeK8sConnector(KVConnectorBase_V1):  # type: ignore[misc]
             params = {}
         tenant = str(params.get("tenant", ""))
         full = len(prompt) // self._bs
-        given = params.get("keys")
+        given: Any = params.get("keys")
         if _valid_keys(given, full):
             # The plan's keys, extended (decode's prompt has one more token) from their chain.
             keys = list(given)

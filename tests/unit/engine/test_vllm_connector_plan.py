@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
+from collections.abc import Sequence
 from types import SimpleNamespace as NS
 from typing import Any
 
@@ -41,8 +42,8 @@ def _request(rid: str, n: int, **params: Any) -> NS:
               kv_transfer_params={PARAMS_KEY: params})
 
 
-def _step(new: list[NS] = (), cached: list[NS] = (), resumed: set[str] = frozenset(),
-          scheduled: dict[str, int] | None = None) -> NS:
+def _step(new: Sequence[NS] = (), cached: Sequence[NS] = (),
+          resumed: frozenset[str] = frozenset(), scheduled: dict[str, int] | None = None) -> NS:
     return NS(scheduled_new_reqs=list(new), num_scheduled_tokens=scheduled or {},
               scheduled_cached_reqs=NS(req_ids=[c.req_id for c in cached],
                                        new_block_ids=[c.new_block_ids for c in cached],
@@ -104,7 +105,7 @@ def test_preempted_request_loads_again_into_its_new_blocks() -> None:
     c.update_state_after_alloc(req, None, 2 * BS)
     meta = c.build_connector_meta(_step(
         cached=[NS(req_id="r", new_block_ids=([9, 10, 12],), num_computed=2 * BS)],
-        resumed={"r"}, scheduled={"r": 1}))
+        resumed=frozenset({"r"}), scheduled={"r": 1}))
     assert [(ld.keys, ld.block_ids) for ld in meta.loads] == [([K[0], K[1]], [9, 10])]
 
 
