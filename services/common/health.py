@@ -7,6 +7,7 @@ sits beside the gRPC one. Liveness only says the process answers; readiness asks
 
 from __future__ import annotations
 
+import signal
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -63,3 +64,16 @@ class HealthServer:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def stop_requested() -> threading.Event:
+    """An event set by SIGTERM or SIGINT: what every long-running command waits on before it
+    drains and stops. Call from the main thread (signal handlers can only be set there)."""
+    done = threading.Event()
+
+    def _on_signal(_signum: int, _frame: object) -> None:
+        done.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    return done

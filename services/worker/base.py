@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import sys
 import threading
@@ -24,7 +23,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily
 
-from mooncake_k8s.common.health import HealthServer
+from mooncake_k8s.common.health import HealthServer, stop_requested
 from mooncake_k8s.common.rpc import serving_pb2 as pb
 from mooncake_k8s.common.rpcserver import start_server
 from mooncake_k8s.store.client import StoreClient
@@ -251,13 +250,7 @@ def run_worker(worker: Worker) -> None:
     """Serve until SIGTERM/SIGINT, then drain and stop. If the engine's own process dies (a
     vLLM server), stop and exit non-zero: the supervisor (`mooncake up`, Kubernetes) restarts
     the worker, and a worker that can never serve again does not linger unready."""
-    done = threading.Event()
-
-    def _on_signal(signum: int, _frame: object) -> None:
-        done.set()
-
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    done = stop_requested()
     worker.start()
     log.info(
         f"{worker.role} listening",
