@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from mooncake_k8s.common.rpc import store_pb2 as pb
 
 
 class Subscription:
-    """One subscriber's queue; `get` blocks until events arrive, a timeout, or close."""
+    """One subscriber's queue; `get` blocks until events arrive, a timeout, or close.
+
+    A subscriber served without a blocked thread sets `waker` instead and polls `get(0)`: it
+    is called (from the publishing thread) whenever events were queued or the queue closed.
+    """
 
     def __init__(self, hub: EventHub, node_id: str, max_queue: int) -> None:
+        self.waker: Callable[[], None] | None = None
         self._hub = hub
         self.node_id = node_id
         self.max_queue = max_queue
@@ -42,11 +47,13 @@ class Subscription:
             else:
                 self._queue.extend(events)
             self._cond.notify_all()
+        if self.waker is not None:
+            self.waker()
 
     def get(self, timeout: float | None = None) -> list[pb.BlockEvent] | None:
         """Queued events (possibly empty on timeout), or None once closed and drained."""
         with self._cond:
-            if not self._queue and not self.closed:
+            if not self._queue and not self.closed and (timeout is None or timeout > 0):
                 self._cond.wait(timeout)
             if self._queue:
                 out = list(self._queue)
@@ -59,6 +66,8 @@ class Subscription:
             self.closed = True
             self._cond.notify_all()
         self._hub._discard(self)
+        if self.waker is not None:
+            self.waker()
 
     def __enter__(self) -> Subscription:
         return self
@@ -110,3 +119,5 @@ class EventHub:
             with sub._cond:
                 sub.closed = True
                 sub._cond.notify_all()
+            if sub.waker is not None:
+                sub.waker()

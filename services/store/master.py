@@ -1,8 +1,9 @@
-"""The store master's gRPC shell around `MasterState`.
+"""The store master process: the gRPC server around `MasterState`, its tick thread, /metrics.
 
-Every RPC of `service Master` (proto/store.proto) is a thin call into the state, with errors
-mapped to gRPC status codes and a specific message; no exception escapes a handler. A background
-thread runs `MasterState.tick` (expiry of nodes, puts, leases and copies; watermark eviction).
+The RPC handlers are in `servicer`, served by `grpc.aio` on an event loop of its own thread, so
+that the long-lived streams (each node's command stream, each Watch subscriber) cost no thread;
+unary calls go on being answered however many streams are open. A background thread runs
+`MasterState.tick` (expiry of nodes, puts, leases and copies; watermark eviction).
 
 A restarted master first rebuilds its metadata from the nodes' inventories: until its known
 nodes have re-registered (or a grace period passed) lookups and puts answer UNAVAILABLE with a
@@ -14,11 +15,12 @@ once and cached), which is what keeps batched lookups above 100k keys/s on one c
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import signal
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,25 +29,17 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from mooncake_k8s.common.errors import (
-    InvalidArgument,
-    NoSpace,
-    ObjectTooLarge,
-    StoreError,
-)
 from mooncake_k8s.common.metrics import LATENCY_BUCKETS, serve_metrics
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.common.rpcserver import start_server
-from mooncake_k8s.store.metadata import MasterState, PutNotFound, PutSuperseded, UnknownNode
-from mooncake_k8s.store.records import Lookup
+from mooncake_k8s.common.rpcserver import MAX_MESSAGE
+from mooncake_k8s.store.metadata import MasterState
 from mooncake_k8s.store.recovery import NodeRoster, RecoveryGate
+from mooncake_k8s.store.servicer import RECOVERING_KEY, SERVICE, Handlers, MasterServicer
+
+__all__ = ["RECOVERING_KEY", "SERVICE", "MasterConfig", "MasterServer", "run_master"]
 
 log = logging.getLogger(__name__)
 
-SERVICE = "mooncake.store.v1.Master"
-RECOVERING_KEY = "mooncake-recovering"
-"""Trailing metadata on an UNAVAILABLE that the master sent on purpose while it rebuilds: the
-call did nothing, so even a put may be retried."""
 _TIER_NAMES: dict[int, str] = {pb.DRAM: "dram", pb.SSD: "ssd"}
 
 
@@ -83,8 +77,9 @@ class MasterConfig:
     heartbeat_interval_ms: int = 1000
     max_object_size: int = 1 << 30
     tick_interval_s: float = 0.05
-    workers: int = 64
-    """gRPC worker threads; node command streams and watches each hold one."""
+    workers: int = 8
+    """Threads of the executor for the calls kept off the event loop (RegisterNode); streams
+    and other calls need none."""
     event_queue: int = 10_000
     """Events buffered per Watch subscriber before it is disconnected as too slow."""
 
@@ -134,190 +129,9 @@ class _StateCollector(Collector):
         yield from (objects, nodes, pending, leases, cap, used, lookups, ev, sp, pr, rec)
 
 
-class _Abort(Exception):
-    """Raised by a handler to end the call with this status."""
-
-    def __init__(
-        self, code: grpc.StatusCode, message: str,
-        trailers: tuple[tuple[str, str], ...] = (),
-    ) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.trailers = trailers
-
-
-def _status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
-    if isinstance(e, _Abort):
-        return e.code, e.message
-    if isinstance(e, ObjectTooLarge):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
-    if isinstance(e, InvalidArgument):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
-    if isinstance(e, NoSpace):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
-    if isinstance(e, PutSuperseded):
-        return grpc.StatusCode.ALREADY_EXISTS, str(e)
-    if isinstance(e, PutNotFound | UnknownNode):
-        return grpc.StatusCode.NOT_FOUND, str(e)
-    if isinstance(e, StoreError):
-        return grpc.StatusCode.FAILED_PRECONDITION, str(e)
-    return grpc.StatusCode.INTERNAL, "internal error in the master (see its log)"
-
-
-def _serialize(msg: Any) -> bytes:
-    if type(msg) is bytes:
-        return msg
-    return bytes(msg.SerializeToString())
-
-
-class MasterServicer:
-    """One method per RPC; each takes (request, context) like a generated servicer."""
-
-    def __init__(
-        self, state: MasterState, config: MasterConfig, stopping: threading.Event,
-        gate: RecoveryGate,
-    ) -> None:
-        self.state = state
-        self.config = config
-        self._stopping = stopping
-        self.gate = gate
-
-    def _authoritative(self) -> None:
-        """Refuse (UNAVAILABLE, retryable) while a restarted master is still rebuilding."""
-        if not self.gate.is_open:
-            raise _Abort(grpc.StatusCode.UNAVAILABLE, self.gate.describe(),
-                         ((RECOVERING_KEY, "1"),))
-
-    # -- nodes -----------------------------------------------------------------------------
-
-    def RegisterNode(self, req: pb.RegisterNodeRequest, ctx: Any) -> pb.RegisterNodeResponse:
-        reg = self.state.register_node(
-            req.node_id, req.address, req.host_id, list(req.segments), list(req.inventory),
-            req.incarnation,
-        )
-        self.gate.registered(req.node_id)
-        return pb.RegisterNodeResponse(
-            master_id=self.state.master_id,
-            heartbeat_interval_ms=self.config.heartbeat_interval_ms,
-            restored_objects=reg.restored, dropped_replicas=reg.dropped,
-        )
-
-    def Heartbeat(self, req: pb.HeartbeatRequest, ctx: Any) -> pb.HeartbeatResponse:
-        known = self.state.heartbeat(req.node_id)
-        return pb.HeartbeatResponse(reregister=not known, master_id=self.state.master_id)
-
-    def NodeCommands(self, req: pb.NodeCommandsRequest, ctx: Any) -> Iterator[pb.NodeCommand]:
-        stream = self.state.open_command_stream(req.node_id, req.master_id)
-        if stream is None:
-            raise _Abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"node {req.node_id!r} is not registered with this master; register again",
-            )
-        while not self._stopping.is_set() and ctx.is_active():
-            cmds = self.state.next_commands(req.node_id, stream, 0.5)
-            if cmds is None:
-                return
-            yield from cmds
-
-    def CommandDone(self, req: pb.CommandDoneRequest, ctx: Any) -> pb.CommandDoneResponse:
-        self.state.command_done(req.node_id, req.id, req.ok, req.error)
-        return pb.CommandDoneResponse()
-
-    # -- puts ------------------------------------------------------------------------------
-
-    def PutStart(self, req: pb.PutStartRequest, ctx: Any) -> pb.PutStartResponse:
-        self._authoritative()
-        return self.state.put_start(
-            req.key, req.size, req.replicas, req.placement, req.preferred_segment,
-            req.client_host_id,
-        )
-
-    def PutEnd(self, req: pb.PutEndRequest, ctx: Any) -> pb.PutEndResponse:
-        self.state.put_end(req.key, req.put_id, req.checksum)
-        return pb.PutEndResponse()
-
-    def PutRevoke(self, req: pb.PutRevokeRequest, ctx: Any) -> pb.PutRevokeResponse:
-        self.state.put_revoke(req.key, req.put_id)
-        return pb.PutRevokeResponse()
-
-    def BatchPutStart(self, req: pb.BatchPutStartRequest, ctx: Any) -> pb.BatchPutStartResponse:
-        self._authoritative()
-        return pb.BatchPutStartResponse(results=self.state.batch_put_start(req.items))
-
-    def BatchPutEnd(self, req: pb.BatchPutEndRequest, ctx: Any) -> pb.BatchPutEndResponse:
-        return self.state.batch_put_end(req.items)
-
-    # -- reads -----------------------------------------------------------------------------
-
-    def GetReplicas(self, req: pb.GetReplicasRequest, ctx: Any) -> bytes:
-        self._authoritative()
-        lookup: Lookup = self.state.get_replicas(req.keys, req.lease_ms, req.client_host_id)
-        return lookup.encode()
-
-    def ReleaseLease(self, req: pb.ReleaseLeaseRequest, ctx: Any) -> pb.ReleaseLeaseResponse:
-        self.state.release_lease(req.lease_id)
-        return pb.ReleaseLeaseResponse()
-
-    def Exists(self, req: pb.ExistsRequest, ctx: Any) -> pb.ExistsResponse:
-        self._authoritative()
-        present, prefix = self.state.exists(req.keys)
-        return pb.ExistsResponse(exists=present, prefix_len=prefix)
-
-    def Remove(self, req: pb.RemoveRequest, ctx: Any) -> pb.RemoveResponse:
-        self._authoritative()
-        return pb.RemoveResponse(removed=self.state.remove(req.keys, req.force))
-
-    def Pin(self, req: pb.PinRequest, ctx: Any) -> pb.PinResponse:
-        self._authoritative()
-        return pb.PinResponse(ok=self.state.pin(req.keys, req.pin))
-
-    def Watch(self, req: pb.WatchRequest, ctx: Any) -> Iterator[pb.BlockEvent]:
-        sub = self.state.subscribe(req.node_id, self.config.event_queue)
-        try:
-            while not self._stopping.is_set() and ctx.is_active():
-                events = sub.get(0.5)
-                if events is None:
-                    if sub.overflowed:
-                        raise _Abort(
-                            grpc.StatusCode.ABORTED,
-                            "watch queue overflowed (subscriber too slow); resubscribe",
-                        )
-                    return
-                yield from events
-        finally:
-            sub.close()
-
-    def Stats(self, req: pb.StatsRequest, ctx: Any) -> pb.StatsResponse:
-        stats = self.state.stats()
-        stats.recovering = not self.gate.is_open
-        return stats
-
-
-_UNARY: tuple[tuple[str, Any], ...] = (
-    ("RegisterNode", pb.RegisterNodeRequest),
-    ("Heartbeat", pb.HeartbeatRequest),
-    ("CommandDone", pb.CommandDoneRequest),
-    ("PutStart", pb.PutStartRequest),
-    ("PutEnd", pb.PutEndRequest),
-    ("PutRevoke", pb.PutRevokeRequest),
-    ("BatchPutStart", pb.BatchPutStartRequest),
-    ("BatchPutEnd", pb.BatchPutEndRequest),
-    ("GetReplicas", pb.GetReplicasRequest),
-    ("ReleaseLease", pb.ReleaseLeaseRequest),
-    ("Exists", pb.ExistsRequest),
-    ("Remove", pb.RemoveRequest),
-    ("Pin", pb.PinRequest),
-    ("Stats", pb.StatsRequest),
-)
-_STREAM: tuple[tuple[str, Any], ...] = (
-    ("NodeCommands", pb.NodeCommandsRequest),
-    ("Watch", pb.WatchRequest),
-)
-
-
 class MasterServer:
-    """The master process: gRPC server, tick thread, optional /metrics."""
+    """The master process: gRPC server (grpc.aio on its own loop thread), tick thread, optional
+    /metrics. `start`/`stop` are called from ordinary threads."""
 
     def __init__(self, config: MasterConfig, state: MasterState | None = None) -> None:
         self.config = config
@@ -339,8 +153,12 @@ class MasterServer:
             buckets=LATENCY_BUCKETS, registry=self.registry,
         )
         self._stopping = threading.Event()
+        self._stopped = threading.Event()
         self._servicer = MasterServicer(self.state, config, self._stopping, self.gate)
-        self._server: grpc.Server | None = None
+        self._handlers = Handlers(self._servicer, config.token, self._rpc_seconds, self._stopping)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: threading.Thread | None = None
+        self._server: grpc.aio.Server | None = None
         self._ticker: threading.Thread | None = None
         self.port = 0
         self.metrics_port: int | None = None
@@ -353,76 +171,52 @@ class MasterServer:
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
 
-    # -- handlers --------------------------------------------------------------------------
-
-    def _unary(self, name: str) -> Callable[[Any, Any], Any]:
-        method = getattr(self._servicer, name)
-        timer = self._rpc_seconds.labels(name)
-
-        def handler(req: Any, ctx: Any) -> Any:
-            start = time.perf_counter()
-            try:
-                return method(req, ctx)
-            except Exception as e:  # mapped to a status; nothing kills the server
-                code, msg = _status_of(e)
-                if code == grpc.StatusCode.INTERNAL:
-                    log.exception("rpc failed", extra={"method": name})
-                if isinstance(e, _Abort) and e.trailers:
-                    ctx.set_trailing_metadata(e.trailers)
-                err = (code, msg)
-            finally:
-                timer.observe(time.perf_counter() - start)
-            ctx.abort(err[0], err[1])
-
-        return handler
-
-    def _stream(self, name: str) -> Callable[[Any, Any], Iterator[Any]]:
-        method = getattr(self._servicer, name)
-
-        def handler(req: Any, ctx: Any) -> Iterator[Any]:
-            try:
-                yield from method(req, ctx)
-                return
-            except Exception as e:
-                code, msg = _status_of(e)
-                if code == grpc.StatusCode.INTERNAL:
-                    if ctx.is_active() and not self._stopping.is_set():
-                        log.exception("stream failed", extra={"method": name})
-                    else:
-                        return
-                err = (code, msg)
-            ctx.abort(err[0], err[1])
-
-        return handler
-
-    def _generic_handler(self) -> Any:
-        handlers: dict[str, Any] = {}
-        for name, req_type in _UNARY:
-            handlers[name] = grpc.unary_unary_rpc_method_handler(
-                self._unary(name), request_deserializer=req_type.FromString,
-                response_serializer=_serialize,
-            )
-        for name, req_type in _STREAM:
-            handlers[name] = grpc.unary_stream_rpc_method_handler(
-                self._stream(name), request_deserializer=req_type.FromString,
-                response_serializer=_serialize,
-            )
-        return grpc.method_handlers_generic_handler(SERVICE, handlers)
-
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Bind and serve; raises OSError (naming the address) when the port is taken."""
         cfg = self.config
-        server, self.port = start_server(
-            "master", cfg.host, cfg.port, cfg.token, cfg.workers, self._generic_handler()
+        loop = asyncio.new_event_loop()
+        loop.set_default_executor(
+            concurrent.futures.ThreadPoolExecutor(max(1, cfg.workers), "master-exec")
         )
-        self._server = server
+        thread = threading.Thread(target=loop.run_forever, name="master-loop", daemon=True)
+        thread.start()
+        self._loop, self._loop_thread = loop, thread
+        try:
+            self.port = asyncio.run_coroutine_threadsafe(self._serve(), loop).result(timeout=60)
+        except BaseException:
+            self._close_loop()
+            raise
         self._ticker = threading.Thread(target=self._tick_loop, name="master-tick", daemon=True)
         self._ticker.start()
         if cfg.metrics_port is not None and cfg.metrics_port >= 0:
             self.metrics_port = serve_metrics(
                 self.registry, cfg.metrics_host or cfg.host, cfg.metrics_port
             )
+
+    async def _serve(self) -> int:
+        cfg = self.config
+        server = grpc.aio.server(options=[
+            ("grpc.so_reuseport", 0),  # a second master can never silently share the port
+            # Calls that arrived but wait for the loop to pick them up; beyond gRPC's default
+            # (1,000) they are CANCELLED, which a thousand nodes reconnecting at once reach.
+            ("grpc.server.max_pending_requests", 1 << 16),
+            ("grpc.server.max_pending_requests_hard_limit", 1 << 17),
+            ("grpc.max_receive_message_length", MAX_MESSAGE),
+            ("grpc.max_send_message_length", MAX_MESSAGE),
+        ])
+        server.add_generic_rpc_handlers((self._handlers.generic_handler(),))
+        target = f"[{cfg.host}]:{cfg.port}" if ":" in cfg.host else f"{cfg.host}:{cfg.port}"
+        try:
+            bound = server.add_insecure_port(target)
+        except RuntimeError as e:
+            raise OSError(f"cannot bind the master server to {target}: {e}") from e
+        if not bound:
+            raise OSError(f"cannot bind the master server to {target}")
+        await server.start()
+        self._server = server
+        return int(bound)
 
     def _tick_loop(self) -> None:
         roster_ok = True
@@ -447,17 +241,33 @@ class MasterServer:
         if self._stopping.is_set():
             return
         self._stopping.set()
-        self.state.close()
-        if self._server is not None:
-            self._server.stop(grace).wait()
+        self.state.close()  # wakes every stream: they end on their own
+        loop, server = self._loop, self._server
+        if loop is not None and server is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(server.stop(grace), loop).result(grace + 10)
+            except (concurrent.futures.TimeoutError, RuntimeError):
+                log.warning("master server did not stop within its grace period")
+        self._close_loop()
         if self._ticker is not None:
             self._ticker.join(timeout=5)
+        self._stopped.set()
+
+    def _close_loop(self) -> None:
+        loop, thread = self._loop, self._loop_thread
+        if loop is None or thread is None:
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        if not thread.is_alive():
+            loop.close()
+        self._loop = self._loop_thread = None
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the server stops (True) or `timeout` passes (False)."""
         if self._server is None:
             return True
-        return bool(self._server.wait_for_termination(timeout))
+        return self._stopped.wait(timeout)
 
     def __enter__(self) -> MasterServer:
         self.start()

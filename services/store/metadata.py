@@ -208,7 +208,7 @@ class MasterState(TierPolicy):
                     src_offset=src.offset if src else 0,
                 )
             )
-            self._cond.notify_all()
+            self._wake(node)
         return cmd_id
 
     @staticmethod
@@ -344,7 +344,7 @@ class MasterState(TierPolicy):
                     dropped += 1
         node.commands.clear()
         node.stream += 1
-        self._cond.notify_all()
+        self._wake(node)
         log.warning(
             "node restarted: replicas it no longer holds dropped",
             extra={"node_id": node.node_id, "replicas": dropped, "inventory": len(inventory)},
@@ -410,7 +410,7 @@ class MasterState(TierPolicy):
             _CMD(id=next(self._ids), kind=_CMD.FREED, key=item.key, segment=item.segment,
                  offset=item.offset, size=item.size)
         )
-        self._cond.notify_all()
+        self._wake(node)
         return 0
 
     def heartbeat(self, node_id: str) -> bool:
@@ -445,16 +445,22 @@ class MasterState(TierPolicy):
                 del self._copies[cp.cmd_id]
                 cp.obj.copying = False
         node.commands.clear()
-        self._cond.notify_all()
+        self._wake(node)
         log.warning(
             "node dropped", extra={"node_id": node.node_id, "reason": reason, "replicas": dropped}
         )
 
     # -- command stream --------------------------------------------------------------------
 
-    def open_command_stream(self, node_id: str, master_id: str = "") -> int | None:
+    def open_command_stream(
+        self, node_id: str, master_id: str = "", waker: Callable[[], None] | None = None
+    ) -> int | None:
         """Start a node's command stream; None if the node is unknown or was registered with
-        another master incarnation. A newer stream for the same node ends older ones."""
+        another master incarnation. A newer stream for the same node ends older ones.
+
+        `waker` (for streams served without a blocked thread) is called, under the state lock,
+        whenever the stream has something to do: commands queued, or the stream must end.
+        """
         with self._lock:
             if self._closed or (master_id and master_id != self.master_id):
                 return None
@@ -462,8 +468,14 @@ class MasterState(TierPolicy):
             if node is None:
                 return None
             node.stream += 1
-            self._cond.notify_all()
+            self._wake(node)  # the older stream, if any, ends
+            node.waker = waker
             return node.stream
+
+    def _wake(self, node: Node) -> None:
+        self._cond.notify_all()
+        if node.waker is not None:
+            node.waker()
 
     def next_commands(
         self, node_id: str, stream: int, timeout: float
@@ -479,6 +491,8 @@ class MasterState(TierPolicy):
                     node.commands.clear()
                     return out
                 if attempt == 0:
+                    if timeout <= 0:
+                        break
                     self._cond.wait(timeout)
             return []
 
@@ -849,5 +863,6 @@ class MasterState(TierPolicy):
         """End every command stream and subscription (shutdown)."""
         with self._lock:
             self._closed = True
-            self._cond.notify_all()
+            for node in self._nodes.values():
+                self._wake(node)
         self._hub.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mooncake_k8s.common.errors import InvalidArgument
@@ -28,7 +29,7 @@ MISS = b"\x0a\x00"  # GetReplicasResponse.objects entry for ObjectReplicas(found
 
 class Node:
     __slots__ = ("address", "alive", "commands", "host_id", "incarnation", "last_seen", "node_id",
-                 "segments", "stream")
+                 "segments", "stream", "waker")
 
     def __init__(
         self, node_id: str, address: str, host_id: str, now: float, incarnation: str = ""
@@ -41,6 +42,7 @@ class Node:
         self.segments: list[Segment] = []
         self.commands: deque[pb.NodeCommand] = deque()
         self.stream = 0
+        self.waker: Callable[[], None] | None = None  # see MasterState.open_command_stream
         self.alive = True
 
 

@@ -1,0 +1,346 @@
+"""The store master's RPC handlers, served by `grpc.aio` so that open streams cost no thread.
+
+Every RPC of `service Master` (proto/store.proto) is a thin call into `MasterState`, with errors
+mapped to gRPC status codes and a specific message; no exception escapes a handler.
+
+Why asyncio: a storage node holds a `NodeCommands` stream for as long as it lives, and every
+Conductor (or any other subscriber) holds a `Watch` stream. With a thread per stream, 64 nodes
+and watchers took every thread of the pool and unary calls (lookups, heartbeats) stopped being
+answered. Here a stream is a coroutine parked on an `asyncio.Event`; the state wakes it (its
+"waker", called from whatever thread changed the state) only when it has something to send.
+
+Unary handlers call the state directly on the event loop: its methods are short and take one
+lock, and a thread hop would cost more than most of them. The exception is `RegisterNode`,
+whose inventory may hold many thousand objects; it runs on the default executor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from prometheus_client import Histogram
+
+from mooncake_k8s.common.auth import METADATA_KEY, token_matches
+from mooncake_k8s.common.errors import InvalidArgument, NoSpace, ObjectTooLarge, StoreError
+from mooncake_k8s.common.rpc import store_pb2 as pb
+from mooncake_k8s.store.metadata import MasterState, PutNotFound, PutSuperseded, UnknownNode
+from mooncake_k8s.store.recovery import RecoveryGate
+
+if TYPE_CHECKING:
+    from mooncake_k8s.store.master import MasterConfig
+
+log = logging.getLogger(__name__)
+
+SERVICE = "mooncake.store.v1.Master"
+RECOVERING_KEY = "mooncake-recovering"
+"""Trailing metadata on an UNAVAILABLE that the master sent on purpose while it rebuilds: the
+call did nothing, so even a put may be retried."""
+_OFF_LOOP = frozenset({"RegisterNode"})
+"""Unary calls run on the executor instead of the event loop (see the module docstring)."""
+
+
+class _Abort(Exception):
+    """Raised by a handler to end the call with this status."""
+
+    def __init__(
+        self, code: grpc.StatusCode, message: str,
+        trailers: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.trailers = trailers
+
+
+def _status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
+    if isinstance(e, _Abort):
+        return e.code, e.message
+    if isinstance(e, ObjectTooLarge):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    if isinstance(e, InvalidArgument):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    if isinstance(e, NoSpace):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
+    if isinstance(e, PutSuperseded):
+        return grpc.StatusCode.ALREADY_EXISTS, str(e)
+    if isinstance(e, PutNotFound | UnknownNode):
+        return grpc.StatusCode.NOT_FOUND, str(e)
+    if isinstance(e, StoreError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(e)
+    return grpc.StatusCode.INTERNAL, "internal error in the master (see its log)"
+
+
+def _serialize(msg: Any) -> bytes:
+    if type(msg) is bytes:
+        return msg
+    return bytes(msg.SerializeToString())
+
+
+def _waker(ev: asyncio.Event) -> Callable[[], None]:
+    """A callable that sets `ev` from any thread: directly on the loop's own thread, through
+    `call_soon_threadsafe` from others (the tick thread, the executor). Never raises: it is
+    called under the state's lock, possibly after the loop stopped."""
+    loop = asyncio.get_running_loop()
+    loop_thread = threading.get_ident()
+
+    def wake() -> None:
+        if ev.is_set():
+            return
+        if threading.get_ident() == loop_thread:
+            ev.set()
+            return
+        with contextlib.suppress(RuntimeError):  # a closed loop: the stream is gone anyway
+            loop.call_soon_threadsafe(ev.set)
+
+    return wake
+
+
+class MasterServicer:
+    """One method per RPC, taking (request, context); unary ones are plain functions, the
+    streaming ones async generators."""
+
+    def __init__(
+        self, state: MasterState, config: MasterConfig, stopping: threading.Event,
+        gate: RecoveryGate,
+    ) -> None:
+        self.state = state
+        self.config = config
+        self._stopping = stopping
+        self.gate = gate
+
+    def _authoritative(self) -> None:
+        """Refuse (UNAVAILABLE, retryable) while a restarted master is still rebuilding."""
+        if not self.gate.is_open:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, self.gate.describe(),
+                         ((RECOVERING_KEY, "1"),))
+
+    # -- nodes -----------------------------------------------------------------------------
+
+    def RegisterNode(self, req: pb.RegisterNodeRequest, ctx: Any) -> pb.RegisterNodeResponse:
+        reg = self.state.register_node(
+            req.node_id, req.address, req.host_id, list(req.segments), list(req.inventory),
+            req.incarnation,
+        )
+        self.gate.registered(req.node_id)
+        return pb.RegisterNodeResponse(
+            master_id=self.state.master_id,
+            heartbeat_interval_ms=self.config.heartbeat_interval_ms,
+            restored_objects=reg.restored, dropped_replicas=reg.dropped,
+        )
+
+    def Heartbeat(self, req: pb.HeartbeatRequest, ctx: Any) -> pb.HeartbeatResponse:
+        known = self.state.heartbeat(req.node_id)
+        return pb.HeartbeatResponse(reregister=not known, master_id=self.state.master_id)
+
+    async def NodeCommands(
+        self, req: pb.NodeCommandsRequest, ctx: Any
+    ) -> AsyncIterator[pb.NodeCommand]:
+        ev = asyncio.Event()
+        stream = self.state.open_command_stream(req.node_id, req.master_id, _waker(ev))
+        if stream is None:
+            raise _Abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"node {req.node_id!r} is not registered with this master; register again",
+            )
+        while not self._stopping.is_set():
+            ev.clear()  # before looking: a wake-up from here on is not lost
+            cmds = self.state.next_commands(req.node_id, stream, 0)
+            if cmds is None:
+                return  # a newer stream, the node dropped, or shutdown
+            for cmd in cmds:
+                yield cmd
+            if not cmds:
+                await ev.wait()
+
+    def CommandDone(self, req: pb.CommandDoneRequest, ctx: Any) -> pb.CommandDoneResponse:
+        self.state.command_done(req.node_id, req.id, req.ok, req.error)
+        return pb.CommandDoneResponse()
+
+    # -- puts ------------------------------------------------------------------------------
+
+    def PutStart(self, req: pb.PutStartRequest, ctx: Any) -> pb.PutStartResponse:
+        self._authoritative()
+        return self.state.put_start(
+            req.key, req.size, req.replicas, req.placement, req.preferred_segment,
+            req.client_host_id,
+        )
+
+    def PutEnd(self, req: pb.PutEndRequest, ctx: Any) -> pb.PutEndResponse:
+        self.state.put_end(req.key, req.put_id, req.checksum)
+        return pb.PutEndResponse()
+
+    def PutRevoke(self, req: pb.PutRevokeRequest, ctx: Any) -> pb.PutRevokeResponse:
+        self.state.put_revoke(req.key, req.put_id)
+        return pb.PutRevokeResponse()
+
+    def BatchPutStart(self, req: pb.BatchPutStartRequest, ctx: Any) -> pb.BatchPutStartResponse:
+        self._authoritative()
+        return pb.BatchPutStartResponse(results=self.state.batch_put_start(req.items))
+
+    def BatchPutEnd(self, req: pb.BatchPutEndRequest, ctx: Any) -> pb.BatchPutEndResponse:
+        return self.state.batch_put_end(req.items)
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def GetReplicas(self, req: pb.GetReplicasRequest, ctx: Any) -> bytes:
+        self._authoritative()
+        return self.state.get_replicas(req.keys, req.lease_ms, req.client_host_id).encode()
+
+    def ReleaseLease(self, req: pb.ReleaseLeaseRequest, ctx: Any) -> pb.ReleaseLeaseResponse:
+        self.state.release_lease(req.lease_id)
+        return pb.ReleaseLeaseResponse()
+
+    def Exists(self, req: pb.ExistsRequest, ctx: Any) -> pb.ExistsResponse:
+        self._authoritative()
+        present, prefix = self.state.exists(req.keys)
+        return pb.ExistsResponse(exists=present, prefix_len=prefix)
+
+    def Remove(self, req: pb.RemoveRequest, ctx: Any) -> pb.RemoveResponse:
+        self._authoritative()
+        return pb.RemoveResponse(removed=self.state.remove(req.keys, req.force))
+
+    def Pin(self, req: pb.PinRequest, ctx: Any) -> pb.PinResponse:
+        self._authoritative()
+        return pb.PinResponse(ok=self.state.pin(req.keys, req.pin))
+
+    async def Watch(self, req: pb.WatchRequest, ctx: Any) -> AsyncIterator[pb.BlockEvent]:
+        sub = self.state.subscribe(req.node_id, self.config.event_queue)
+        ev = asyncio.Event()
+        sub.waker = _waker(ev)
+        try:
+            while not self._stopping.is_set():
+                ev.clear()
+                events = sub.get(0)
+                if events is None:
+                    if sub.overflowed:
+                        raise _Abort(
+                            grpc.StatusCode.ABORTED,
+                            "watch queue overflowed (subscriber too slow); resubscribe",
+                        )
+                    return
+                for event in events:
+                    yield event
+                if not events:
+                    await ev.wait()
+        finally:
+            sub.waker = None
+            sub.close()
+
+    def Stats(self, req: pb.StatsRequest, ctx: Any) -> pb.StatsResponse:
+        stats = self.state.stats()
+        stats.recovering = not self.gate.is_open
+        return stats
+
+
+_UNARY: tuple[tuple[str, Any], ...] = (
+    ("RegisterNode", pb.RegisterNodeRequest),
+    ("Heartbeat", pb.HeartbeatRequest),
+    ("CommandDone", pb.CommandDoneRequest),
+    ("PutStart", pb.PutStartRequest),
+    ("PutEnd", pb.PutEndRequest),
+    ("PutRevoke", pb.PutRevokeRequest),
+    ("BatchPutStart", pb.BatchPutStartRequest),
+    ("BatchPutEnd", pb.BatchPutEndRequest),
+    ("GetReplicas", pb.GetReplicasRequest),
+    ("ReleaseLease", pb.ReleaseLeaseRequest),
+    ("Exists", pb.ExistsRequest),
+    ("Remove", pb.RemoveRequest),
+    ("Pin", pb.PinRequest),
+    ("Stats", pb.StatsRequest),
+)
+_STREAM: tuple[tuple[str, Any], ...] = (
+    ("NodeCommands", pb.NodeCommandsRequest),
+    ("Watch", pb.WatchRequest),
+)
+_DENIED = "missing or wrong cluster token"
+
+
+class Handlers:
+    """Wraps each servicer method for `grpc.aio`: token check, latency metric, and errors
+    mapped to a status (with trailers where the error carries them)."""
+
+    def __init__(
+        self, servicer: MasterServicer, token: str, rpc_seconds: Histogram,
+        stopping: threading.Event,
+    ) -> None:
+        self._servicer = servicer
+        self._token = token
+        self._rpc_seconds = rpc_seconds
+        self._stopping = stopping
+
+    def _authorized(self, ctx: Any) -> bool:
+        if not self._token:
+            return True
+        for key, value in ctx.invocation_metadata() or ():
+            if (key == METADATA_KEY and isinstance(value, str) and value.startswith("Bearer ")
+                    and token_matches(self._token, value[len("Bearer "):])):
+                return True
+        return False
+
+    def _unary(self, name: str) -> Callable[[Any, Any], Any]:
+        method = getattr(self._servicer, name)
+        timer = self._rpc_seconds.labels(name)
+        off_loop = name in _OFF_LOOP
+
+        async def handler(req: Any, ctx: Any) -> Any:
+            if not self._authorized(ctx):
+                await ctx.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+            start = time.perf_counter()
+            try:
+                if off_loop:
+                    return await asyncio.get_running_loop().run_in_executor(
+                        None, method, req, ctx
+                    )
+                return method(req, ctx)
+            except Exception as e:  # mapped to a status; nothing kills the server
+                code, msg = _status_of(e)
+                if code == grpc.StatusCode.INTERNAL:
+                    log.exception("rpc failed", extra={"method": name})
+                if isinstance(e, _Abort) and e.trailers:
+                    ctx.set_trailing_metadata(e.trailers)
+            finally:
+                timer.observe(time.perf_counter() - start)
+            await ctx.abort(code, msg)
+
+        return handler
+
+    def _stream(self, name: str) -> Callable[[Any, Any], AsyncIterator[Any]]:
+        method = getattr(self._servicer, name)
+
+        async def handler(req: Any, ctx: Any) -> AsyncIterator[Any]:
+            if not self._authorized(ctx):
+                await ctx.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+            try:
+                async for item in method(req, ctx):
+                    yield item
+                return
+            except Exception as e:  # CancelledError (client gone) is not an Exception
+                code, msg = _status_of(e)
+                if code == grpc.StatusCode.INTERNAL:
+                    if self._stopping.is_set():
+                        return
+                    log.exception("stream failed", extra={"method": name})
+            await ctx.abort(code, msg)
+
+        return handler
+
+    def generic_handler(self) -> Any:
+        handlers: dict[str, Any] = {}
+        for name, req_type in _UNARY:
+            handlers[name] = grpc.unary_unary_rpc_method_handler(
+                self._unary(name), request_deserializer=req_type.FromString,
+                response_serializer=_serialize,
+            )
+        for name, req_type in _STREAM:
+            handlers[name] = grpc.unary_stream_rpc_method_handler(
+                self._stream(name), request_deserializer=req_type.FromString,
+                response_serializer=_serialize,
+            )
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
