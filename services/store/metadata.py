@@ -24,8 +24,9 @@ A committed object has one or more replicas (segment, offset) on distinct nodes.
 (`get_replicas`) grants a read lease; while any lease covers an object it is neither evicted nor
 freed. `remove` hides an object at once; a leased one keeps its space until the last lease ends.
 
-Placement, eviction, spilling to SSD and promotion back to DRAM are `tiering.TierPolicy`, a
-mixin of this class: no allocation takes any segment of any tier above its high watermark.
+Node registration, restarts, loss and command streams are `membership.NodeMembership`, and
+placement, eviction, spilling to SSD and promotion back to DRAM are `tiering.TierPolicy`, both
+mixins of this class; no allocation takes any segment of any tier above its high watermark.
 """
 
 from __future__ import annotations
@@ -40,7 +41,6 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple
 
 from mooncake_k8s.common.errors import (
     InvalidArgument,
@@ -50,10 +50,10 @@ from mooncake_k8s.common.errors import (
 )
 from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.store.events import EventHub, Subscription
+from mooncake_k8s.store.membership import NodeMembership
 from mooncake_k8s.store.records import (
     DRAM,
     MISS,
-    SSD,
     Copy,
     Lease,
     Lookup,
@@ -94,22 +94,13 @@ class PutSuperseded(StoreError):
     stored, this put's space is freed. For the writer that is as good as ObjectExists."""
 
 
-class Registration(NamedTuple):
-    """What `register_node` did with the node's report."""
-
-    restored: int
-    """Inventory objects now known to the master on this node."""
-    dropped: int
-    """Replicas the node's previous incarnation held that the new one no longer reports."""
-
-
 #: A claim lasts put_claim_s plus the time to write the object's replicas at this rate, so a
 #: large put by a live writer keeps its key while small ones lapse fast after a crash. Too
 #: short only costs a duplicate write (the keys name their content), never a failure.
 CLAIM_BYTES_PER_S = 256 << 20
 
 
-class MasterState(TierPolicy):
+class MasterState(NodeMembership, TierPolicy):
     """Everything the master knows; see the module docstring. Thread-safe."""
 
     def __init__(
@@ -240,309 +231,6 @@ class MasterState(TierPolicy):
             self._free_rep(obj, rep)
         obj.reps = []
         self.hidden_objects -= 1
-
-    # -- nodes -----------------------------------------------------------------------------
-
-    def register_node(
-        self,
-        node_id: str,
-        address: str,
-        host_id: str,
-        segments: Sequence[pb.SegmentInfo],
-        inventory: Sequence[pb.InventoryItem] = (),
-        incarnation: str = "",
-    ) -> Registration:
-        """(Re-)register a node.
-
-        A known node re-registering with the same segments and incarnation (its session to
-        this master broke) keeps its objects and its queued commands. With a new incarnation
-        the process restarted: it is reconciled with `inventory` (`_reconcile_restart`). With
-        different segments it is replaced. Inventory items that cannot be restored (overlap,
-        conflict with a stored object, unknown segment) are rejected and the node is sent FREED
-        for them.
-        """
-        if not node_id:
-            raise InvalidArgument("node_id is empty")
-        if not address:
-            raise InvalidArgument("address is empty")
-        if not segments:
-            raise InvalidArgument("a node must register at least one segment")
-        names = set()
-        for s in segments:
-            if not s.name:
-                raise InvalidArgument("segment name is empty")
-            if s.name in names:
-                raise InvalidArgument(f"segment {s.name!r} listed twice")
-            names.add(s.name)
-            if s.size < 1:
-                raise InvalidArgument(f"segment {s.name!r} has size 0")
-            if s.tier not in (DRAM, SSD):
-                raise InvalidArgument(f"segment {s.name!r} has no tier (DRAM or SSD)")
-        with self._op():
-            for s in segments:
-                owner = self._segments.get(s.name)
-                if owner is not None and owner.node.node_id != node_id:
-                    raise InvalidArgument(
-                        f"segment {s.name!r} is already registered by node {owner.node.node_id!r}"
-                    )
-            now = self._now()
-            old = self._nodes.get(node_id)
-            sig = [(s.name, s.tier, s.size, s.path) for s in segments]
-            dropped = 0
-            if old is not None and [(s.name, s.tier, s.size, s.path) for s in old.segments] == sig:
-                node = old
-                node.last_seen = now
-                if incarnation and node.incarnation and incarnation != node.incarnation:
-                    dropped = self._reconcile_restart(node, inventory)
-                node.incarnation = incarnation or node.incarnation
-                if (node.address, node.host_id) != (address, host_id):
-                    node.address, node.host_id = address, host_id
-                    for seg in node.segments:
-                        for obj in seg.lru.values():
-                            obj.wire = None
-            else:
-                if old is not None:
-                    self._drop_node(old, "re-registered with different segments")
-                node = Node(node_id, address, host_id, now, incarnation)
-                for s in segments:
-                    seg = Segment(node, s)
-                    node.segments.append(seg)
-                    self._segments[seg.name] = seg
-                self._nodes[node_id] = node
-            restored = sum(self._restore(node, item) for item in inventory)
-            log.info(
-                "node registered",
-                extra={"node_id": node_id, "address": address, "segments": len(segments),
-                       "inventory": len(inventory), "restored": restored, "dropped": dropped},
-            )
-            return Registration(restored, dropped)
-
-    def _reconcile_restart(self, node: Node, inventory: Sequence[pb.InventoryItem]) -> int:
-        """The node's process restarted (same id and segments, new incarnation).
-
-        Its new process holds exactly what it reports, so every replica recorded on it that
-        the inventory does not list (same key, segment, offset, size and checksum) is dropped
-        now, instead of living on as a phantom that `exists` reports and every read misses.
-        Puts that were writing to the old process and copies it was asked to make are
-        cancelled (their bytes went to memory that no longer exists); commands queued for the
-        old process are discarded and its command stream is ended.
-        """
-        held = {(it.key, it.segment, it.offset, it.size, it.checksum) for it in inventory}
-        for cp in [c for c in self._copies.values() if c.node is node]:
-            del self._copies[cp.cmd_id]
-            self._cancel_copy(cp)
-        for put in [p for p in self._pending.values() if any(r.seg.node is node for r in p.reps)]:
-            log.info("put cancelled: its node restarted",
-                     extra={"key": put.key, "put_id": put.put_id, "node_id": node.node_id})
-            self._end_pending(put)
-        dropped = 0
-        for seg in node.segments:
-            for obj in list(seg.lru.values()):
-                rep = next(r for r in obj.reps if r.seg is seg)
-                if (obj.key, seg.name, rep.offset, obj.size, obj.checksum) not in held:
-                    self._drop_rep(obj, rep, _EV.EVICTED)
-                    dropped += 1
-        node.commands.clear()
-        node.stream += 1
-        self._wake(node)
-        log.warning(
-            "node restarted: replicas it no longer holds dropped",
-            extra={"node_id": node.node_id, "replicas": dropped, "inventory": len(inventory)},
-        )
-        return dropped
-
-    def _cancel_copy(self, cp: Copy) -> None:
-        """Forget a copy without touching its source replica; the destination is freed."""
-        cp.obj.copying = False
-        if cp.kind == "spill":
-            cp.src.seg.spilling -= cp.src.seg.alloc.rounded(cp.obj.size)
-        self._free_rep(cp.obj, cp.dst, committed=False)
-
-    def _restore(self, node: Node, item: pb.InventoryItem) -> int:
-        seg = self._segments.get(item.segment)
-        reason = ""
-        if seg is None or seg.node is not node:
-            reason = "unknown segment"
-        else:
-            existing = self._objects.get(item.key)
-            if existing is not None and any(
-                r.seg is seg and r.offset == item.offset for r in existing.reps
-            ):
-                return 1  # already known here
-            try:
-                check_key(item.key)
-            except InvalidArgument as e:
-                reason = str(e)
-            if not reason and item.size < 1:
-                reason = "empty object"
-            elif not reason and item.key in self._pending_keys:
-                reason = "a put of this key is in progress"
-            elif not reason and existing is not None and (
-                existing.size != item.size or existing.checksum != item.checksum
-            ):
-                reason = "conflicts with the stored object of this key"
-            elif not reason and existing is not None and any(
-                r.seg.node is node for r in existing.reps
-            ):
-                reason = "the node already holds a replica of this key"
-            if not reason:
-                try:
-                    seg.alloc.reserve(item.offset, item.size)
-                except ValueError as e:
-                    reason = str(e)
-            if not reason:
-                rep = Rep(seg, item.offset)
-                if existing is None:
-                    existing = Obj(item.key, item.size, item.checksum, [rep])
-                    self._objects[item.key] = existing
-                else:
-                    existing.reps.append(rep)
-                self._changed(existing)
-                seg.lru[item.key] = existing
-                self._emit(_EV.STORED, item.key, item.size, seg)
-                return 1
-        log.warning(
-            "inventory item rejected",
-            extra={"node_id": node.node_id, "key": item.key, "segment": item.segment,
-                   "offset": item.offset, "reason": reason},
-        )
-        node.commands.append(
-            _CMD(id=next(self._ids), kind=_CMD.FREED, key=item.key, segment=item.segment,
-                 offset=item.offset, size=item.size)
-        )
-        self._wake(node)
-        return 0
-
-    def heartbeat(self, node_id: str) -> bool:
-        """Record a heartbeat; False when the node is unknown (it must register again)."""
-        with self._lock:
-            node = self._nodes.get(node_id)
-            if node is None:
-                return False
-            node.last_seen = self._now()
-            return True
-
-    def _drop_node(self, node: Node, reason: str) -> None:
-        node.alive = False
-        if self._nodes.get(node.node_id) is node:
-            del self._nodes[node.node_id]
-        dropped = 0
-        for seg in node.segments:
-            seg.alive = False
-            if self._segments.get(seg.name) is seg:
-                del self._segments[seg.name]
-            for obj in list(seg.lru.values()):
-                for rep in obj.reps:
-                    if rep.seg is seg:
-                        self._drop_rep(obj, rep, _EV.EVICTED)
-                        dropped += 1
-                        break
-        for put in list(self._pending.values()):
-            if any(r.seg.node is node for r in put.reps):
-                self._end_pending(put)
-        for cp in list(self._copies.values()):
-            if cp.node is node:
-                del self._copies[cp.cmd_id]
-                cp.obj.copying = False
-        node.commands.clear()
-        self._wake(node)
-        log.warning(
-            "node dropped", extra={"node_id": node.node_id, "reason": reason, "replicas": dropped}
-        )
-
-    # -- command stream --------------------------------------------------------------------
-
-    def open_command_stream(
-        self, node_id: str, master_id: str = "", waker: Callable[[], None] | None = None
-    ) -> int | None:
-        """Start a node's command stream; None if the node is unknown or was registered with
-        another master incarnation. A newer stream for the same node ends older ones.
-
-        `waker` (for streams served without a blocked thread) is called, under the state lock,
-        whenever the stream has something to do: commands queued, or the stream must end.
-        """
-        with self._lock:
-            if self._closed or (master_id and master_id != self.master_id):
-                return None
-            node = self._nodes.get(node_id)
-            if node is None:
-                return None
-            node.stream += 1
-            self._wake(node)  # the older stream, if any, ends
-            node.waker = waker
-            return node.stream
-
-    def _wake(self, node: Node) -> None:
-        self._cond.notify_all()
-        if node.waker is not None:
-            node.waker()
-
-    def next_commands(
-        self, node_id: str, stream: int, timeout: float
-    ) -> list[pb.NodeCommand] | None:
-        """Commands for the node (empty after `timeout`), or None when the stream must end."""
-        with self._cond:
-            for attempt in (0, 1):
-                node = self._nodes.get(node_id)
-                if self._closed or node is None or node.stream != stream:
-                    return None
-                if node.commands:
-                    out = list(node.commands)
-                    node.commands.clear()
-                    return out
-                if attempt == 0:
-                    if timeout <= 0:
-                        break
-                    self._cond.wait(timeout)
-            return []
-
-    def command_done(self, node_id: str, cmd_id: int, ok: bool, error: str = "") -> bool:
-        """A node finished a COPY; False when the command is unknown (expired, node replaced)."""
-        with self._op():
-            cp = self._copies.get(cmd_id)
-            if cp is None or cp.node.node_id != node_id:
-                return False
-            del self._copies[cmd_id]
-            self._finish_copy(cp, ok, error)
-            return True
-
-    def _finish_copy(self, cp: Copy, ok: bool, error: str) -> None:
-        obj = cp.obj
-        obj.copying = False
-        if cp.kind == "spill":
-            cp.src.seg.spilling -= cp.src.seg.alloc.rounded(obj.size)
-        live = (
-            not obj.hidden
-            and self._objects.get(obj.key) is obj
-            and cp.src in obj.reps
-            and cp.dst.seg.alive
-        )
-        if not ok or not live:
-            self._free_rep(obj, cp.dst, committed=False)
-            if not ok:
-                log.warning(
-                    "copy failed",
-                    extra={"kind": cp.kind, "key": obj.key, "node_id": cp.node.node_id,
-                           "error": error},
-                )
-                if cp.kind == "spill" and live and obj.leases == 0:
-                    self._drop_rep(obj, cp.src, _EV.EVICTED)
-                    self.evictions += 1
-            return
-        dst = cp.dst
-        obj.reps.append(dst)
-        self._changed(obj)
-        dst.seg.lru[obj.key] = obj
-        self._command(dst.seg.node, _CMD.COMMITTED, obj.key, dst.seg, dst.offset, obj.size,
-                      obj.checksum)
-        if cp.kind == "spill":
-            self.spills += 1
-            self._emit(_EV.SPILLED, obj.key, obj.size, dst.seg)
-            if obj.leases == 0:
-                self._drop_rep(obj, cp.src, 0)
-        else:
-            self.promotions += 1
-            self._emit(_EV.PROMOTED, obj.key, obj.size, dst.seg)
 
     # -- puts ------------------------------------------------------------------------------
 
