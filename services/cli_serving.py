@@ -100,7 +100,7 @@ def engine_args(o: dict[str, Any]) -> list[str]:
 
 
 def _worker(role: str, o: dict[str, Any], **extra: Any) -> None:
-    _check_bind(o["host"], o["allow_any_address"])
+    o["host"] = _check_bind(o["host"], o["allow_any_address"])
     kind = o["engine_kind"]
     if kind == "sglang":
         raise click.UsageError(
@@ -216,7 +216,7 @@ _sched_opts = [
 @_with_logs
 def conductor(**o: Any) -> None:
     """Run the Conductor: the OpenAI-compatible front door and the global scheduler."""
-    _check_bind(o["host"], o["allow_any_address"])
+    o["host"] = _check_bind(o["host"], o["allow_any_address"])
     from mooncake_k8s.common.logs import setup_logging
     from mooncake_k8s.common.tracing import setup_tracing
     from mooncake_k8s.conductor.service import ConductorConfig, run_conductor

@@ -119,8 +119,11 @@ class LocalCluster:
         h = c.host
         prepare_model(c, self.echo)
         mport = free_port(h)
+        # A state dir tells the master this is a first start (no nodes to wait for) and, after a
+        # restart, exactly which nodes it knew.
         self._spawn("master", ["store", "master", "--host", h, "--port", str(self.master_port),
-                               "--metrics-port", str(mport)], mport)
+                               "--metrics-port", str(mport),
+                               "--state-dir", str(self.log_dir / "master-state")], mport)
         nport = free_port(h)
         self._spawn("store-node", ["store", "node", "--master", self.master, "--host", h,
                                    "--node-id", "store-0", "--dram-size", str(c.store_size),

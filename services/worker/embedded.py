@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from mooncake_k8s.common import tracing
 from mooncake_k8s.common.buffers import byte_view
 from mooncake_k8s.common.errors import MooncakeError, ObjectExists, StoreError
 from mooncake_k8s.engine import Engine, EngineFull, SamplingParams, load_engine
@@ -95,13 +96,16 @@ class EmbeddedPrefill(_Embedded):
     def prefill(self, work: PrefillWork) -> PrefillDone:
         t0 = time.monotonic()
         plan = work.plan
-        n = plan.reuse_blocks if plan.planned else self._lookup(list(plan.keys))
-        imported = self._read(list(plan.keys[:n])) if n else []
+        with tracing.span("prefill.load_kv", planned=plan.planned):
+            n = plan.reuse_blocks if plan.planned else self._lookup(list(plan.keys))
+            imported = self._read(list(plan.keys[:n])) if n else []
         t1 = time.monotonic()
-        res = self.engine.prefill(work.token_ids, imported, sampling_from_pb(work.sampling),
-                                  seq_id=work.request_id)
+        with tracing.span("prefill.compute", imported_blocks=len(imported)):
+            res = self.engine.prefill(work.token_ids, imported, sampling_from_pb(work.sampling),
+                                      seq_id=work.request_id)
         t2 = time.monotonic()
-        stored, tkey = self._store(work, res)
+        with tracing.span("prefill.store_kv", new_blocks=len(res.new_blocks)):
+            stored, tkey = self._store(work, res)
         return PrefillDone(
             first_token=res.first_token, text=res.text, finished=res.finished,
             finish_reason=res.finish_reason or "", cached_tokens=res.cached_tokens,
@@ -206,7 +210,9 @@ class EmbeddedDecode(_Embedded):
                           kv_capacity_tokens=load["kv_capacity_tokens"])
 
     def decode(self, work: DecodeWork, cancelled: threading.Event) -> Iterator[TokenOut]:
-        seq = _Seq(work, self._load_kv(work), sampling_from_pb(work.sampling))
+        with tracing.span("decode.load_kv", request_id=work.request_id):
+            blocks = self._load_kv(work)
+        seq = _Seq(work, blocks, sampling_from_pb(work.sampling))
         self._inbox.put(seq)
         self._wake.set()
         try:
