@@ -145,6 +145,7 @@ def test_master_without_state_dir_waits_for_its_grace_period() -> None:
         cluster.start_node("a", "16MiB")
         with cluster.client() as c:
             c.put("k", b"still here")
+        cluster.wait_inventory(1)  # the node knows the commit: what a new master rebuilds from
         cluster.restart_master("--recovery-grace-s", "3")
         start = time.monotonic()
         first = lookup(cluster, ["k"])
