@@ -36,3 +36,15 @@ if [ "${MOONCAKE_WITH_VLLM:-0}" = "1" ] && ! .venv/bin/python -c "import vllm" 2
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
   rm -f "$pin"
 fi
+# SGLang workers (`--engine sglang`), for the tests and whoever asks: MOONCAKE_WITH_SGLANG=1.
+# sglang's wheel pins CUDA torch and CUDA kernels, so it goes in --no-deps and its pure-Python
+# dependencies follow under a constraint on what is installed (our and vLLM's pins win). On a
+# CPU machine the worker adds our CPU compatibility layer (engine/sglang/cpu/) to SGLang's path.
+if [ "${MOONCAKE_WITH_SGLANG:-0}" = "1" ] && ! .venv/bin/python -c "import sglang" 2>/dev/null; then
+  pin=$(mktemp)
+  .venv/bin/python -m pip freeze --exclude-editable | grep -v '^-e ' > "$pin"
+  .venv/bin/python -m pip install -q --no-deps "sglang==${SGLANG_VERSION:-0.5.23}"
+  .venv/bin/python -m pip install -q -c "$pin" -r scripts/sglang-cpu-deps.txt
+  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  rm -f "$pin"
+fi
