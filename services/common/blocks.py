@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -84,6 +84,61 @@ class KeyNamespace:
         return hashlib.blake2b(data, digest_size=KEY_BYTES, person=b"mooncake-ns").digest()
 
 
+def engine_cache_salt(tenant: str) -> str | None:
+    """What keeps tenants apart inside an engine's own prefix cache (vLLM's and SGLang's
+    `cache_salt`); None for the shared namespace."""
+    return hashlib.blake2b(tenant.encode(), digest_size=16).hexdigest() if tenant else None
+
+
+#: kv_layout tags starting with this name SGLang's pages: their keys are SGLang's own.
+SGLANG_LAYOUT = "sglang"
+
+
+def sglang_key_prefix(namespace: KeyNamespace) -> str:
+    """Store-key prefix of an SGLang deployment's HiCache pages (rank 0; see engine.sglang).
+
+    The tenant is not part of it: SGLang seeds its page-hash chain with the request's
+    `cache_salt` instead, so tenants' pages differ in the hash itself."""
+    return f"sg/{replace(namespace, tenant_salt='').digest().hex()}/"
+
+
+def sglang_chain_seed(cache_salt: str | None) -> bytes | None:
+    """SGLang's storage-chain seed for a request with this `cache_salt` (and no extra key)."""
+    if cache_salt is None:
+        return None
+    d = hashlib.sha256(b"sglang-cache-namespace-v1")
+    d.update(b"\x00")  # no extra_key
+    salt = cache_salt.encode()
+    d.update(b"\x01" + len(salt).to_bytes(8, "little") + salt)
+    return d.digest()
+
+
+def _packed(token_ids: Sequence[int] | np.ndarray) -> tuple[bytes, int]:
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    if tokens.ndim != 1:
+        raise InvalidArgument("token_ids must be one-dimensional")
+    if tokens.size and (tokens.min() < 0 or tokens.max() > 0xFFFFFFFF):
+        raise InvalidArgument("token ids must be in [0, 2**32)")
+    return tokens.astype("<u4").tobytes(), int(tokens.size)
+
+
+def _sglang_keys(namespace: KeyNamespace, token_ids: Sequence[int] | np.ndarray) -> list[str]:
+    """SGLang's page keys (SHA-256 chained over little-endian uint32 token ids, seeded per
+    tenant), under our prefix: the same names SGLang's HiCache backend stores pages under, so
+    the Conductor's index sees SGLang's pool pages as it sees any block."""
+    packed, n = _packed(token_ids)
+    prefix = sglang_key_prefix(namespace)
+    prev = sglang_chain_seed(engine_cache_salt(namespace.tenant_salt))
+    step = namespace.block_tokens * 4
+    keys: list[str] = []
+    for i in range(n // namespace.block_tokens):
+        h = hashlib.sha256(prev) if prev is not None else hashlib.sha256()
+        h.update(packed[i * step : (i + 1) * step])
+        prev = h.digest()
+        keys.append(prefix + prev.hex())
+    return keys
+
+
 def block_keys(
     namespace: KeyNamespace, token_ids: Sequence[int] | np.ndarray, parent: str | None = None
 ) -> list[str]:
@@ -91,18 +146,18 @@ def block_keys(
 
     `parent` continues a chain: the key of the block just before `token_ids[0]`.
     """
+    if namespace.kv_layout.startswith(SGLANG_LAYOUT):
+        if parent is not None:
+            raise InvalidArgument("SGLang page keys do not continue a chain from a parent")
+        return _sglang_keys(namespace, token_ids)
     bt = namespace.block_tokens
-    tokens = np.asarray(token_ids, dtype=np.int64)
-    if tokens.ndim != 1:
-        raise InvalidArgument("token_ids must be one-dimensional")
-    if tokens.size and (tokens.min() < 0 or tokens.max() > 0xFFFFFFFF):
-        raise InvalidArgument("token ids must be in [0, 2**32)")
-    packed = tokens.astype("<u4").tobytes()
+    packed, _ = _packed(token_ids)
+    tokens_n = len(packed) // 4
     ns = namespace.digest()
     prev = bytes.fromhex(parent) if parent else b"\x00" * KEY_BYTES
     keys: list[str] = []
     step = bt * 4
-    for i in range(len(tokens) // bt):
+    for i in range(tokens_n // bt):
         h = hashlib.blake2b(ns, digest_size=KEY_BYTES, person=b"mooncake-blk")
         h.update(prev)
         h.update(packed[i * step : (i + 1) * step])

@@ -8,7 +8,9 @@ error event: other streams and later requests are unaffected, and the instance l
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import random
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -60,6 +62,10 @@ class Outcome:
     attempts: int = 0
 
 
+class _Retry(Exception):
+    """An attempt failed before the client saw output: try another pair."""
+
+
 class Pipeline:
     def __init__(self, prefills: InstancePool, decodes: InstancePool, router: Router,
                  attempts: int = 3, prefill_timeout_s: float = 600.0) -> None:
@@ -84,6 +90,15 @@ class Pipeline:
                 why = f"{e} (last failure: {last_error})" if attempt else str(e)
                 raise ApiError(503, why, type_="server_error", code="no_capacity") from e
             out.prefill, out.decode = route.prefill.instance_id, route.decode.instance_id
+            pair = route.prefill.report.bootstrap_addr if route.prefill.report else ""
+            if pair:
+                try:
+                    async for delta in self._paired(gen, route, attempt, pair, out):
+                        yield delta
+                    return
+                except _Retry as e:
+                    last_error = str(e)
+                    continue
             try:
                 resp = await self._prefill(gen, route, attempt)
             except grpc.aio.AioRpcError as e:
@@ -117,6 +132,56 @@ class Pipeline:
         raise ApiError(503, f"request failed after {self.attempts} attempts: {last_error}",
                        type_="server_error", code="upstream_failed")
 
+    async def _paired(self, gen: Generation, route: Route, attempt: int, addr: str,
+                      out: Outcome) -> AsyncIterator[Delta]:
+        """One attempt with paired handoff (SGLang PD): decode must be waiting for the KV
+        while prefill computes it, so both calls start together, meeting in a fresh room.
+        Raises _Retry when the attempt failed before the client saw anything."""
+        room = random.getrandbits(63) or 1
+        plan = route.plan()
+        plan.bootstrap_addr, plan.bootstrap_room = addr, room
+        chunks: asyncio.Queue[pb.DecodeChunk | BaseException | None] = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for chunk in self._decode(gen, route, 0, "", (addr, room)):
+                    await chunks.put(chunk)
+                await chunks.put(None)
+            except BaseException as e:  # handed to the reader, which decides
+                await chunks.put(e)
+
+        task = asyncio.create_task(pump())
+        try:
+            try:
+                resp = await self._prefill(gen, route, attempt, plan)
+            except grpc.aio.AioRpcError as e:
+                raise _Retry(self._fail(self.prefills, route.prefill, e)) from e
+            out.cached_tokens = resp.cached_tokens
+            out.first_token_at = time.monotonic()
+            out.completion_tokens = 1
+            reason = resp.finish_reason or None if resp.finished else None
+            out.finish_reason = reason
+            yield Delta(resp.text, resp.first_token, reason)
+            if resp.finished:
+                return
+            while True:
+                item = await chunks.get()
+                if item is None:
+                    return
+                if isinstance(item, grpc.aio.AioRpcError):
+                    msg = self._fail(self.decodes, route.decode, item)
+                    raise ApiError(502, f"decode instance {route.decode.instance_id} failed "
+                                        f"after the first token: {msg}", type_="server_error",
+                                   code="decode_failed") from item
+                if isinstance(item, BaseException):
+                    raise item
+                out.completion_tokens += 1
+                reason = item.finish_reason or None if item.finished else None
+                out.finish_reason = reason
+                yield Delta(item.text, item.token_id, reason)
+        finally:
+            task.cancel()
+
     def _fail(self, pool: InstancePool, inst: Instance, e: grpc.aio.AioRpcError) -> str:
         msg = f"{pool.role} {inst.instance_id}: {e.code().name}: {e.details()}"
         if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
@@ -128,7 +193,8 @@ class Pipeline:
         log.warning("attempt failed", extra={"error": msg})
         return msg
 
-    async def _prefill(self, gen: Generation, route: Route, attempt: int) -> pb.PrefillResponse:
+    async def _prefill(self, gen: Generation, route: Route, attempt: int,
+                       plan: pb.KVPlan | None = None) -> pb.PrefillResponse:
         inst = route.prefill
         n = len(gen.token_ids)
         inst.inflight += 1
@@ -137,7 +203,8 @@ class Pipeline:
             with tracing.span("conductor.prefill", instance=inst.instance_id, attempt=attempt):
                 req = pb.PrefillRequest(
                     request_id=f"{gen.request_id}-{attempt}", token_ids=gen.token_ids,
-                    tenant=gen.tenant, sampling=gen.sampling, plan=route.plan(),
+                    tenant=gen.tenant, sampling=gen.sampling,
+                    plan=plan if plan is not None else route.plan(),
                     use_prefix_cache=gen.use_prefix_cache, trace_context=tracing.inject(),
                 )
                 resp: pb.PrefillResponse = await inst.call("Prefill")(
@@ -147,8 +214,8 @@ class Pipeline:
             inst.inflight -= 1
             inst.inflight_tokens -= n
 
-    async def _decode(self, gen: Generation, route: Route, first_token: int,
-                      tail_key: str) -> AsyncIterator[pb.DecodeChunk]:
+    async def _decode(self, gen: Generation, route: Route, first_token: int, tail_key: str,
+                      pair: tuple[str, int] = ("", 0)) -> AsyncIterator[pb.DecodeChunk]:
         inst = route.decode
         inst.inflight += 1
         try:
@@ -157,7 +224,7 @@ class Pipeline:
                     request_id=gen.request_id, token_ids=gen.token_ids, tenant=gen.tenant,
                     first_token=first_token, sampling=gen.sampling, tail_key=tail_key,
                     trace_context=tracing.inject(), block_keys=route.keys,
-                    namespace=route.namespace,
+                    namespace=route.namespace, bootstrap_addr=pair[0], bootstrap_room=pair[1],
                 )
                 call = inst.call("Decode", stream=True)(req, metadata=self.decodes.metadata)
                 try:

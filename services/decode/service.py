@@ -110,7 +110,8 @@ class DecodeService(Worker):
                 or len(keys) != len(tokens) // info.block_tokens):
             keys = info.block_keys(tokens, req.tenant)
         return DecodeWork(req.request_id, tokens, req.tenant, req.first_token, req.sampling,
-                          keys, req.tail_key, dict(req.trace_context))
+                          keys, req.tail_key, dict(req.trace_context),
+                          req.bootstrap_addr, req.bootstrap_room)
 
     def decode(self, req: pb.DecodeRequest, ctx: grpc.ServicerContext) -> Iterator[pb.DecodeChunk]:
         engine = self.admit(ctx)

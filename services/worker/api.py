@@ -6,7 +6,8 @@ vLLM engine through its KV connector in vLLM's processes. Both follow the same t
 the Conductor's decision reaches whichever engine runs and the services never branch on kind.
 
 Kinds: `embedded` (our PyTorch engine), `vllm` (a vLLM server this worker starts), `sglang`
-(next). `open_engine` builds one by kind; nothing here imports an engine.
+(an SGLang server this worker starts; its prefill hands KV to decode directly, paired by the
+plan's bootstrap room). `open_engine` builds one by kind; nothing here imports an engine.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ class EngineInfo:
     max_context: int
     kv_layout: str = ""
     """The KV producer tag of the key namespace ("" for the embedded engine)."""
+    bootstrap_addr: str = ""
+    """Prefill engines with paired handoff (SGLang): host:port where decode meets them."""
 
     def namespace(self, tenant: str = "") -> KeyNamespace:
         return KeyNamespace(self.fingerprint, self.dtype, self.block_tokens, tenant_salt=tenant,
@@ -74,6 +77,9 @@ class KVPlan:
     write_segment: str = ""
     planned: bool = True
     """False when the Conductor made no decision: the worker looks the prefix up itself."""
+    bootstrap_addr: str = ""
+    bootstrap_room: int = 0
+    """Paired handoff (SGLang): where and under which room decode meets this prefill."""
 
     @property
     def reuse_blocks(self) -> int:
@@ -90,14 +96,15 @@ def resolve_plan(msg: pb.KVPlan, info: EngineInfo, token_ids: Sequence[int], ten
     ns = info.namespace(tenant)
     ok = bool(msg.planned) and msg.namespace == ns.digest().hex() and (
         len(msg.block_keys) == len(token_ids) // info.block_tokens)
+    addr, room = msg.bootstrap_addr, msg.bootstrap_room
     if ok:
         plan = KVPlan(tuple(msg.block_keys), msg.local_blocks, msg.fetch_blocks,
-                      msg.write_segment)
+                      msg.write_segment, True, addr, room)
     else:
         plan = KVPlan(tuple(block_keys(ns, token_ids)), write_segment=msg.write_segment,
-                      planned=False)
+                      planned=False, bootstrap_addr=addr, bootstrap_room=room)
     if not use_cache:
-        plan = KVPlan(plan.keys, 0, 0, plan.write_segment, planned=True)
+        plan = KVPlan(plan.keys, 0, 0, plan.write_segment, True, addr, room)
     return plan, ok
 
 
@@ -140,6 +147,10 @@ class DecodeWork:
     """The prompt's full-block keys (from the plan, else computed here)."""
     tail_key: str = ""
     trace: dict[str, str] = field(default_factory=dict)
+    bootstrap_addr: str = ""
+    bootstrap_room: int = 0
+    """Paired handoff (SGLang): the KV arrives from this prefill, and `first_token` is 0
+    (unknown yet); the engine yields the tokens after the first, as in the pool handoff."""
 
 
 @dataclass(frozen=True)
@@ -221,4 +232,9 @@ def open_engine(role: str, config: WorkerConfig, store: StoreClient) -> Any:
 
         vcls = adapter.VllmPrefill if role == "prefill" else adapter.VllmDecode
         return vcls(config)
-    raise ValueError(f"unknown engine kind {kind!r}; known: {', '.join(ENGINE_KINDS[:2])}")
+    if kind == "sglang":
+        from mooncake_k8s.engine.sglang import adapter as sgl
+
+        scls = sgl.SglangPrefill if role == "prefill" else sgl.SglangDecode
+        return scls(config)
+    raise ValueError(f"unknown engine kind {kind!r}; known: {', '.join(ENGINE_KINDS)}")

@@ -59,6 +59,13 @@ class WorkerConfig:
     """Passed through to the engine (vLLM server flags); the embedded engine takes none."""
     engine_ready_timeout_s: float = 900.0
     """How long an engine server (vLLM) may take to load before the worker gives up."""
+    sidecar: str = ""
+    """Unix socket of the pod's transfer sidecar: the engine's KV pool traffic goes through it
+    ("" = the engine talks to the store itself)."""
+    bootstrap_port: int = 0
+    """SGLang prefill: port of its PD bootstrap server (0 = any free port)."""
+    pd_port: int = 0
+    """SGLang: port of the transfer server that receives or sends PD KV (0 = any free port)."""
 
 
 class Worker:
@@ -209,6 +216,7 @@ class Worker:
             report.max_context = info.max_context
             report.engine = info.kind
             report.kv_layout = info.kv_layout
+            report.bootstrap_addr = info.bootstrap_addr
         return report
 
 

@@ -60,8 +60,9 @@ def test_engine_args_come_from_env_flags_and_after_dashes(monkeypatch: pytest.Mo
 
 
 def test_vllm_flags_the_worker_owns_are_refused() -> None:
-    from mooncake_k8s.engine.vllm.server import owned_flag
+    from mooncake_k8s.engine.child import owned_flag
+    from mooncake_k8s.engine.vllm.server import OWNED_FLAGS
 
-    assert owned_flag(["--dtype", "bfloat16", "--port=9"]) == "--port"
-    assert owned_flag(["--kv-transfer-config", "{}"]) == "--kv-transfer-config"
-    assert owned_flag(["--enforce-eager", "--max-model-len", "2048"]) is None
+    assert owned_flag(["--dtype", "bfloat16", "--port=9"], OWNED_FLAGS) == "--port"
+    assert owned_flag(["--kv-transfer-config", "{}"], OWNED_FLAGS) == "--kv-transfer-config"
+    assert owned_flag(["--enforce-eager", "--max-model-len", "2048"], OWNED_FLAGS) is None

@@ -25,20 +25,24 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class KVPlan(_message.Message):
-    __slots__ = ("block_keys", "namespace", "local_blocks", "fetch_blocks", "write_segment", "planned")
+    __slots__ = ("block_keys", "namespace", "local_blocks", "fetch_blocks", "write_segment", "planned", "bootstrap_addr", "bootstrap_room")
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LOCAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FETCH_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WRITE_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     PLANNED_FIELD_NUMBER: _ClassVar[int]
+    BOOTSTRAP_ADDR_FIELD_NUMBER: _ClassVar[int]
+    BOOTSTRAP_ROOM_FIELD_NUMBER: _ClassVar[int]
     block_keys: _containers.RepeatedScalarFieldContainer[str]
     namespace: str
     local_blocks: int
     fetch_blocks: int
     write_segment: str
     planned: bool
-    def __init__(self, block_keys: _Optional[_Iterable[str]] = ..., namespace: _Optional[str] = ..., local_blocks: _Optional[int] = ..., fetch_blocks: _Optional[int] = ..., write_segment: _Optional[str] = ..., planned: _Optional[bool] = ...) -> None: ...
+    bootstrap_addr: str
+    bootstrap_room: int
+    def __init__(self, block_keys: _Optional[_Iterable[str]] = ..., namespace: _Optional[str] = ..., local_blocks: _Optional[int] = ..., fetch_blocks: _Optional[int] = ..., write_segment: _Optional[str] = ..., planned: _Optional[bool] = ..., bootstrap_addr: _Optional[str] = ..., bootstrap_room: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "tenant", "sampling", "use_prefix_cache", "trace_context", "plan")
@@ -98,7 +102,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[int] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., tail_key: _Optional[str] = ..., stored_blocks: _Optional[int] = ..., rejected_blocks: _Optional[int] = ..., queue_ms: _Optional[float] = ..., load_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., store_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "tenant", "first_token", "sampling", "tail_key", "trace_context", "block_keys", "namespace")
+    __slots__ = ("request_id", "token_ids", "tenant", "first_token", "sampling", "tail_key", "trace_context", "block_keys", "namespace", "bootstrap_addr", "bootstrap_room")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +119,8 @@ class DecodeRequest(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BOOTSTRAP_ADDR_FIELD_NUMBER: _ClassVar[int]
+    BOOTSTRAP_ROOM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     tenant: str
@@ -124,7 +130,9 @@ class DecodeRequest(_message.Message):
     trace_context: _containers.ScalarMap[str, str]
     block_keys: _containers.RepeatedScalarFieldContainer[str]
     namespace: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., tail_key: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., block_keys: _Optional[_Iterable[str]] = ..., namespace: _Optional[str] = ...) -> None: ...
+    bootstrap_addr: str
+    bootstrap_room: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., tail_key: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., block_keys: _Optional[_Iterable[str]] = ..., namespace: _Optional[str] = ..., bootstrap_addr: _Optional[str] = ..., bootstrap_room: _Optional[int] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
     __slots__ = ("token_id", "text", "finished", "finish_reason")
@@ -143,7 +151,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("instance_id", "role", "revision", "model", "model_fingerprint", "dtype", "block_tokens", "max_context", "ready", "draining", "queued_requests", "queued_tokens", "running", "kv_free_tokens", "kv_capacity_tokens", "local_segment", "engine", "kv_layout", "waiting")
+    __slots__ = ("instance_id", "role", "revision", "model", "model_fingerprint", "dtype", "block_tokens", "max_context", "ready", "draining", "queued_requests", "queued_tokens", "running", "kv_free_tokens", "kv_capacity_tokens", "local_segment", "engine", "kv_layout", "waiting", "bootstrap_addr")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +171,7 @@ class LoadReport(_message.Message):
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
+    BOOTSTRAP_ADDR_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: str
     revision: str
@@ -182,4 +191,5 @@ class LoadReport(_message.Message):
     engine: str
     kv_layout: str
     waiting: int
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., revision: _Optional[str] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., running: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., local_segment: _Optional[str] = ..., engine: _Optional[str] = ..., kv_layout: _Optional[str] = ..., waiting: _Optional[int] = ...) -> None: ...
+    bootstrap_addr: str
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., revision: _Optional[str] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., running: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., local_segment: _Optional[str] = ..., engine: _Optional[str] = ..., kv_layout: _Optional[str] = ..., waiting: _Optional[int] = ..., bootstrap_addr: _Optional[str] = ...) -> None: ...

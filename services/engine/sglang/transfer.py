@@ -19,9 +19,11 @@ Configuration comes from the environment the worker gives SGLang: `MOONCAKE_CLUS
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
+from pathlib import Path
 from typing import Any
 
 from mooncake_k8s.common.errors import TransferError
@@ -33,14 +35,22 @@ from mooncake_k8s.transfer.tcp_server import TransferServer
 log = logging.getLogger(__name__)
 
 _stats_lock = threading.Lock()
-#: Bytes and batches this process moved (read by the worker through SGLang's log-free path:
-#: the plugin writes them next to the worker's stats, see plugin.py).
-STATS: dict[str, int] = {"batches": 0, "bytes": 0, "failed": 0}
+#: What this process moved; written to `$MOONCAKE_PD_STATS.<pid>.json` after each batch (a few
+#: per request) for the worker to export, as the HiCache backend's counters are.
+STATS: dict[str, int] = {"pd_batches": 0, "pd_bytes": 0, "pd_failed": 0}
 
 
-def _count(key: str, n: int = 1) -> None:
+def _count(**inc: int) -> None:
     with _stats_lock:
-        STATS[key] = STATS.get(key, 0) + n
+        for k, v in inc.items():
+            STATS[k] += v
+        snap = json.dumps(STATS)
+        prefix = os.environ.get("MOONCAKE_PD_STATS")
+        if prefix:
+            path = Path(f"{prefix}.{os.getpid()}.json")
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(snap)
+            os.replace(tmp, path)
 
 
 class OurTransferEngine:
@@ -103,12 +113,11 @@ class OurTransferEngine:
         try:
             self._writer.write(peer, buffers, peer_buffer_addresses, lengths)
         except (TransferError, OSError) as e:
-            _count("failed")
+            _count(pd_failed=1)
             log.warning("PD transfer to %s failed: %s", session_id, e)
             self._writer.forget(peer)
             return -1
-        _count("batches")
-        _count("bytes", sum(lengths))
+        _count(pd_batches=1, pd_bytes=sum(lengths))
         return 0
 
     def send_probe(self, peer_session_id: str) -> int:

@@ -15,7 +15,6 @@ salts our keys and, as vLLM's `cache_salt`, vLLM's own prefix cache.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from mooncake_k8s.common.blocks import engine_cache_salt
 from mooncake_k8s.common.errors import InvalidArgument
 from mooncake_k8s.common.rpc import serving_pb2 as pb
 from mooncake_k8s.engine.loading import model_source
@@ -52,11 +52,6 @@ def sampling_body(s: pb.Sampling, max_tokens: int) -> dict[str, Any]:
     if s.has_seed:
         body["seed"] = s.seed
     return body
-
-
-def cache_salt(tenant: str) -> str | None:
-    """vLLM's own prefix cache keeps tenants apart with this (None: the shared namespace)."""
-    return hashlib.blake2b(tenant.encode(), digest_size=16).hexdigest() if tenant else None
 
 
 class _Vllm:
@@ -133,7 +128,7 @@ class _Vllm:
         body: dict[str, Any] = {"model": self.info.served_name, "prompt": tokens,
                                 "return_token_ids": True,
                                 "kv_transfer_params": {PARAMS_KEY: {**params, "tenant": tenant}}}
-        salt = cache_salt(tenant)
+        salt = engine_cache_salt(tenant)
         if salt:
             body["cache_salt"] = salt
         return body
@@ -175,7 +170,7 @@ class VllmDecode(_Vllm):
         params = {"keys": list(work.keys), "reuse": len(work.keys), "save": False}
         body = {**self._body([*work.token_ids, work.first_token], work.tenant, params),
                 **sampling_body(work.sampling, left)}
-        stream = self.server.stream(body)
+        stream = self.server.stream_completion(body)
         last_id = work.first_token
         try:
             for chunk in stream:

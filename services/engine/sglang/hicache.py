@@ -1,0 +1,175 @@
+"""SGLang HiCache L3 storage backend over our KV pool.
+
+SGLang keeps KV in three tiers: the device pool (L1), a host-memory pool (L2) and a storage
+backend (L3) that other SGLang processes share. This class is that L3, loaded by SGLang's
+`dynamic` backend (`--hicache-storage-backend dynamic`, `interface_v1`): pages move between
+SGLang's host pool and our store without an intermediate tensor (`batch_get_v1`/`batch_set_v1`
+get the page's memory regions from `mem_pool_host.get_page_buffer_meta` and hand them to a
+`PagePool`: in-process store client, or the pod's transfer sidecar over its Unix socket).
+
+Keys: SGLang's page key is a SHA-256 chain over the page's token ids, seeded per tenant by the
+request's `cache_salt` (the worker sets it from our tenant). We prefix it with our namespace
+(model fingerprint, dtype, page size, and a kv_layout tag naming SGLang, its host layout and TP
+size: what makes two pages the same KV) and the rank, so two deployments or two TP shapes never
+read each other's pages. The Conductor computes the same names (`common.blocks.block_keys`), so
+its index sees SGLang's pool pages like any block. Every page read is verified by the pool
+(size and checksum); a page that fails is a miss, and SGLang recomputes it: a bad page costs
+time, never output.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+log = logging.getLogger(__name__)
+
+BACKEND_NAME = "mooncake_k8s"
+MODULE = "mooncake_k8s.engine.sglang.hicache"
+CLASS = "MooncakeK8sHiCache"
+STATS_EVERY_S = 0.5
+
+
+def open_pool(extra: dict[str, Any]) -> Any:
+    """The pool the config names: the sidecar's socket when given, else our store directly."""
+    if extra.get("sidecar"):
+        from mooncake_k8s.sidecar.client import SidecarPagePool
+
+        return SidecarPagePool(str(extra["sidecar"]))
+    from mooncake_k8s.store.pagepool import DirectPagePool
+
+    return DirectPagePool(str(extra["master"]), os.environ.get("MOONCAKE_CLUSTER_TOKEN", ""),
+                          transport=str(extra.get("transport", "auto")))
+
+
+class MooncakeK8sHiCache(HiCacheStorage):  # type: ignore[misc]
+    """See the module docstring. Constructed by SGLang as `cls(storage_config, kwargs)`."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        prefix = str(extra.get("key_prefix") or "")
+        if not prefix.startswith("sg/"):
+            raise ValueError("the mooncake_k8s HiCache backend needs the 'key_prefix' the "
+                             "worker computes (common.blocks.sglang_key_prefix)")
+        # Rank 0's keys are exactly the Conductor's (common.blocks); other ranks hold other
+        # heads or layers of the same pages (the TP size is part of the namespace).
+        rank = storage_config.tp_rank + storage_config.tp_size * storage_config.pp_rank
+        self._prefix = prefix if rank == 0 else f"{prefix}r{rank}/"
+        self._writer = storage_config.is_storage_writer
+        self._pool = open_pool(extra)
+        self.mem_pool_host: Any = None
+        self._lock = threading.Lock()
+        self._stats = {"exists_queries": 0, "exists_hits": 0, "pages_loaded": 0,
+                       "pages_missed": 0, "pages_saved": 0, "save_failed": 0}
+        stats_prefix = extra.get("stats_prefix")
+        self._stats_file = (Path(f"{stats_prefix}.{os.getpid()}.json") if stats_prefix
+                            else None)
+        self._stats_at = 0.0
+
+    # -- stats (the worker sums the files of SGLang's processes, as for vLLM) ---------------
+
+    def _count(self, **inc: int) -> None:
+        with self._lock:
+            for k, v in inc.items():
+                self._stats[k] += v
+            due = time.monotonic() - self._stats_at >= STATS_EVERY_S
+            snap = dict(self._stats) if due else None
+            if due:
+                self._stats_at = time.monotonic()
+        if snap is not None and self._stats_file is not None:
+            tmp = self._stats_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(snap))
+            os.replace(tmp, self._stats_file)
+
+    def flush_stats(self) -> None:
+        self._stats_at = 0.0
+        self._count()
+
+    # -- keys and memory ---------------------------------------------------------------------
+
+    def _keys(self, keys: list[str]) -> list[str]:
+        return [self._prefix + k for k in keys]
+
+    def _pages(self, n: int, host_indices: torch.Tensor) -> list[list[tuple[int, int]]]:
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        per = len(ptrs) // n if n else 0
+        return [list(zip(ptrs[i * per:(i + 1) * per], sizes[i * per:(i + 1) * per],
+                         strict=True)) for i in range(n)]
+
+    # -- the v1 interface SGLang calls ---------------------------------------------------------
+
+    def batch_exists(self, keys: list[str],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        n = int(self._pool.prefix_exists(self._keys(keys))) if keys else 0
+        self._count(exists_queries=len(keys), exists_hits=n)
+        return n
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        if not keys:
+            return []
+        ok = [bool(x) for x in self._pool.get_pages(self._keys(keys),
+                                                   self._pages(len(keys), host_indices))]
+        loaded = sum(ok)
+        self._count(pages_loaded=loaded, pages_missed=len(ok) - loaded)
+        return ok
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        if not keys:
+            return []
+        if not self._writer:  # MLA: one rank writes what all ranks hold
+            return [True] * len(keys)
+        ok = [bool(x) for x in self._pool.put_pages(self._keys(keys),
+                                                   self._pages(len(keys), host_indices))]
+        saved = sum(ok)
+        self._count(pages_saved=saved, save_failed=len(ok) - saved)
+        return ok
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # -- the tensor interface (used only without interface_v1, which the worker always sets) --
+
+    def _no_v0(self) -> Any:
+        raise NotImplementedError("the mooncake_k8s backend speaks HiCache interface_v1 only: "
+                                  "set \"interface_v1\": 1 in its extra config")
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        return self._no_v0()
+
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> Any:
+        return self._no_v0()
+
+    def set(self, key: str, value: Any = None, target_location: Any = None,
+            target_sizes: Any = None) -> bool:
+        return bool(self._no_v0())
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        return bool(self._no_v0())
+
+    def clear(self) -> None:
+        """SGLang's `/flush_cache` clears L1/L2; the shared pool is not ours to wipe from one
+        worker (the store's eviction and `mooncake store` tools manage it)."""
+
+    def get_stats(self) -> Any:
+        with self._lock:
+            return dict(self._stats)
+
+    def close(self) -> None:
+        self.flush_stats()
+        self._pool.close()
