@@ -13,6 +13,7 @@ import sys
 
 import click
 
+from mooncake_k8s.cli_sidecar import sidecar as _sidecar_command
 from mooncake_k8s.cliopts import (  # noqa: F401 (re-exported for tests and plugins)
     SIZE,
     SizeType,
@@ -205,6 +206,7 @@ def _register_operator() -> None:
 
 
 _register_operator()
+main.add_command(_sidecar_command)
 
 
 if __name__ == "__main__":
