@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,6 @@ log = logging.getLogger(__name__)
 BACKEND_NAME = "mooncake_k8s"
 MODULE = "mooncake_k8s.engine.sglang.hicache"
 CLASS = "MooncakeK8sHiCache"
-STATS_EVERY_S = 0.5
 
 
 def open_pool(extra: dict[str, Any]) -> Any:
@@ -76,26 +74,19 @@ class MooncakeK8sHiCache(HiCacheStorage):  # type: ignore[misc]
         stats_prefix = extra.get("stats_prefix")
         self._stats_file = (Path(f"{stats_prefix}.{os.getpid()}.json") if stats_prefix
                             else None)
-        self._stats_at = 0.0
 
     # -- stats (the worker sums the files of SGLang's processes, as for vLLM) ---------------
 
     def _count(self, **inc: int) -> None:
+        """Add to the counters and rewrite the stats file (once per batch call: cheap next to
+        the pages it moved, and never stale when the worker reads it)."""
         with self._lock:
             for k, v in inc.items():
                 self._stats[k] += v
-            due = time.monotonic() - self._stats_at >= STATS_EVERY_S
-            snap = dict(self._stats) if due else None
-            if due:
-                self._stats_at = time.monotonic()
-        if snap is not None and self._stats_file is not None:
-            tmp = self._stats_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(snap))
-            os.replace(tmp, self._stats_file)
-
-    def flush_stats(self) -> None:
-        self._stats_at = 0.0
-        self._count()
+            if self._stats_file is not None:
+                tmp = self._stats_file.with_suffix(".tmp")
+                tmp.write_text(json.dumps(self._stats))
+                os.replace(tmp, self._stats_file)
 
     # -- keys and memory ---------------------------------------------------------------------
 
@@ -112,7 +103,11 @@ class MooncakeK8sHiCache(HiCacheStorage):  # type: ignore[misc]
 
     def batch_exists(self, keys: list[str],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> int:
-        n = int(self._pool.prefix_exists(self._keys(keys))) if keys else 0
+        try:
+            n = int(self._pool.prefix_exists(self._keys(keys))) if keys else 0
+        except ConnectionError as e:  # the pool is down: nothing is there, SGLang computes
+            log.warning("KV pool unavailable, treating pages as missing: %s", e)
+            n = 0
         self._count(exists_queries=len(keys), exists_hits=n)
         return n
 
@@ -120,8 +115,12 @@ class MooncakeK8sHiCache(HiCacheStorage):  # type: ignore[misc]
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         if not keys:
             return []
-        ok = [bool(x) for x in self._pool.get_pages(self._keys(keys),
-                                                   self._pages(len(keys), host_indices))]
+        try:
+            ok = [bool(x) for x in self._pool.get_pages(self._keys(keys),
+                                                       self._pages(len(keys), host_indices))]
+        except ConnectionError as e:
+            log.warning("KV pool unavailable, recomputing %d pages: %s", len(keys), e)
+            ok = [False] * len(keys)
         loaded = sum(ok)
         self._count(pages_loaded=loaded, pages_missed=len(ok) - loaded)
         return ok
@@ -132,8 +131,12 @@ class MooncakeK8sHiCache(HiCacheStorage):  # type: ignore[misc]
             return []
         if not self._writer:  # MLA: one rank writes what all ranks hold
             return [True] * len(keys)
-        ok = [bool(x) for x in self._pool.put_pages(self._keys(keys),
-                                                   self._pages(len(keys), host_indices))]
+        try:
+            ok = [bool(x) for x in self._pool.put_pages(self._keys(keys),
+                                                       self._pages(len(keys), host_indices))]
+        except ConnectionError as e:
+            log.warning("KV pool unavailable, %d pages not saved: %s", len(keys), e)
+            ok = [False] * len(keys)
         saved = sum(ok)
         self._count(pages_saved=saved, save_failed=len(ok) - saved)
         return ok
@@ -167,9 +170,9 @@ class MooncakeK8sHiCache(HiCacheStorage):  # type: ignore[misc]
         worker (the store's eviction and `mooncake store` tools manage it)."""
 
     def get_stats(self) -> Any:
-        with self._lock:
-            return dict(self._stats)
+        """None: SGLang then reports its own storage metrics (prefetched and backed-up pages,
+        bandwidth); ours go to the worker through the stats file."""
+        return None
 
     def close(self) -> None:
-        self.flush_stats()
         self._pool.close()

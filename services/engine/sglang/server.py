@@ -42,9 +42,11 @@ OWNED_FLAGS = ("--model-path", "--host", "--port", "--served-model-name", "--pag
                "--hicache-storage-backend-extra-config", "--enable-hierarchical-cache",
                "--api-key")
 #: SGLang flags for a CPU: what runs without SGLang's CUDA kernels (see the module docstring).
+#: `--sleep-on-idle`: an idle SGLang scheduler otherwise polls at 100% of a core, which on a
+#: small CPU box starves the instances that have work (measured: 16 tokens 20 s vs 1.8 s).
 CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native",
              "--disable-overlap-schedule", "--hicache-io-backend", "direct",
-             "--hicache-mem-layout", "layer_first"]
+             "--hicache-mem-layout", "layer_first", "--sleep-on-idle"]
 
 
 def check_installed() -> str | None:
@@ -84,7 +86,7 @@ class SglangServerConfig:
     bootstrap_port: int = 0
     pd_port: int = 0
     sidecar: str = ""
-    hicache_gb: float = 1.0
+    hicache_gb: int = 1
     extra_args: list[str] = field(default_factory=list)
     transport: str = "auto"
     python: str = sys.executable
@@ -176,9 +178,8 @@ class SglangServer(EngineChild):
 
     def after_ready(self) -> None:
         self.info = json.loads(self.request("GET", "/get_server_info")[1])
-        model = json.loads(self.request("GET", "/get_model_info")[1])
-        self.max_context = int(self.info.get("context_length") or model.get("context_length")
-                               or model.get("max_context_length") or 0)
+        models = json.loads(self.request("GET", "/v1/models")[1])
+        self.max_context = int(models["data"][0].get("max_model_len") or 0)
 
     @property
     def bootstrap_addr(self) -> str:
