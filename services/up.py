@@ -47,6 +47,10 @@ class UpConfig:
     engine: str = "embedded"
     engine_args: list[str] = field(default_factory=list)
     """Passed through to every prefill and decode engine (vLLM flags)."""
+    sidecar: bool = False
+    """Give each worker a transfer sidecar (`mooncake sidecar`), as the operator does in a pod:
+    the engine's KV pool traffic then goes through its Unix socket (SGLang workers)."""
+    sidecar_staging_size: int = 64 << 20
 
 
 #: vLLM flags `mooncake up --engine vllm` adds when none are given and no GPU is present:
@@ -134,6 +138,10 @@ class LocalCluster:
                 args = [role, "--host", h, "--port", str(port), "--master", self.master,
                         "--metrics-port", str(hport), "--instance-id", f"{role}-{i}",
                         *self._model_args(), *self._engine_args()]
+                if c.sidecar:
+                    sock = self.log_dir / f"sidecar-{role}-{i}.sock"
+                    self._spawn(f"sidecar-{role}-{i}", self.sidecar_args(sock), 0)
+                    args += ["--sidecar", str(sock)]
                 if role == "decode":
                     args += ["--local-segment-size", str(c.decode_segment_size)]
                     self.decode_ports.append(port)
@@ -149,6 +157,18 @@ class LocalCluster:
         if not c.use_prefix_cache:
             args.append("--no-prefix-cache")
         self._spawn("conductor", args, self.port)
+
+    def sidecar_args(self, sock: Path) -> list[str]:
+        return ["sidecar", "--socket", str(sock), "--master", self.master,
+                "--staging-size", str(self.config.sidecar_staging_size)]
+
+    def respawn(self, name: str) -> Proc:
+        """Start a stopped (killed) process again with its arguments: a restart with the same
+        identity, as Kubernetes restarts a container."""
+        old = self.procs[name]
+        if old.alive():
+            raise RuntimeError(f"{name} is still running")
+        return self._spawn(name, old.args, old.metrics_port)
 
     def wait_ready(self) -> None:
         """Block until every worker's /readyz and the Conductor's /readyz say 200."""
@@ -181,8 +201,8 @@ class LocalCluster:
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM front to back (Conductor, workers, store), then SIGKILL stragglers."""
         order = sorted(self.procs.values(),
-                       key=lambda p: ("conductor", "prefill", "decode", "store", "master")
-                       .index(p.name.split("-")[0]))
+                       key=lambda p: ("conductor", "prefill", "decode", "sidecar", "store",
+                                      "master").index(p.name.split("-")[0]))
         for p in order:
             if p.alive():
                 with contextlib.suppress(ProcessLookupError):

@@ -12,6 +12,28 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+#: Below Linux's default ephemeral range (32768-60999), where outgoing connections and
+#: "any free port" binds of other programs land.
+SERVICE_PORTS = (20000, 32000)
+
+
+def free_service_port(host: str = "127.0.0.1") -> int:
+    """A free port for a server another program will bind later (an engine child). Picked
+    outside the ephemeral range, so the gap between our check and its bind is not a race with
+    every connection on the host (seen: an SGLang child lost its port to one)."""
+    import random
+
+    for _ in range(200):
+        port = random.randint(*SERVICE_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    return free_port(host)
+
+
 def local_host_id() -> str:
     """Identifies this host's shared-memory domain: equal ids mean /dev/shm is shared.
 

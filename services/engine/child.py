@@ -23,7 +23,7 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
-from mooncake_k8s.common.netutil import free_port
+from mooncake_k8s.common.netutil import free_service_port
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class EngineChild:
     def __init__(self, role: str, ready_timeout_s: float, work_dir: Path | None) -> None:
         self.role = role
         self.ready_timeout_s = ready_timeout_s
-        self.port = free_port("127.0.0.1")
+        self.port = free_service_port("127.0.0.1")
         self._own_dir = work_dir is None
         self.dir = Path(work_dir or tempfile.mkdtemp(prefix=f"mooncake-{self.name}-{role}-"))
         self.stats_prefix = self.dir / "connector-stats"

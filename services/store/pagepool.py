@@ -30,6 +30,7 @@ import struct
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+from mooncake_k8s.common.checksum import checksum
 from mooncake_k8s.common.errors import (
     AuthError,
     BufferTooSmall,
@@ -47,10 +48,11 @@ Region = tuple[int, int]
 Page = Sequence[Region]
 
 PAGE_MAGIC = b"MCPG"
-PAGE_VERSION = 1
-PAGE_HEADER = struct.Struct("<4sB3xQ")
-"""magic, version, 3 bytes padding, payload length (bytes after the header)."""
-HEADER_SIZE = PAGE_HEADER.size  # 16
+PAGE_VERSION = 2
+PAGE_HEADER = struct.Struct("<4sB3xQQ")
+"""magic, version, 3 bytes padding, payload length (bytes after the header), xxh3-64 of the
+payload as its writer computed it."""
+HEADER_SIZE = PAGE_HEADER.size  # 24
 MAX_PAGE_BYTES = 1 << 30
 """A page larger than this is refused as a caller bug (the store's default object limit)."""
 CHUNK_BYTES = 64 << 20
@@ -133,16 +135,22 @@ def page_views(pages: Sequence[Page]) -> list[list[memoryview]]:
     return [[region_view(int(p), int(n)) for p, n in page if n] for page in pages]
 
 
-def encode_header(payload: int) -> bytes:
-    return PAGE_HEADER.pack(PAGE_MAGIC, PAGE_VERSION, payload)
+def seal(obj: memoryview) -> None:
+    """Write the header of `obj` (header space + payload already in place)."""
+    payload = obj[HEADER_SIZE:]
+    obj[:HEADER_SIZE] = PAGE_HEADER.pack(PAGE_MAGIC, PAGE_VERSION, len(payload),
+                                         checksum(payload))
 
 
 def header_ok(obj: memoryview, payload: int) -> bool:
-    """True when `obj` (header + payload as read) is a page of exactly `payload` bytes."""
+    """True when `obj` (header + payload as read) is a page of exactly `payload` bytes whose
+    payload is what its writer sealed. The store checksums objects too, but only as it got
+    them: this catches a page that was wrong when put (a bug, a hostile writer)."""
     if len(obj) != HEADER_SIZE + payload:
         return False
-    magic, version, n = PAGE_HEADER.unpack_from(obj, 0)
-    return bool(magic == PAGE_MAGIC and version == PAGE_VERSION and n == payload)
+    magic, version, n, digest = PAGE_HEADER.unpack_from(obj, 0)
+    return bool(magic == PAGE_MAGIC and version == PAGE_VERSION and n == payload
+                and digest == checksum(obj[HEADER_SIZE:]))
 
 
 def _chunks(sizes: Sequence[int], limit: int) -> list[range]:
@@ -230,11 +238,11 @@ class DirectPagePool:
             mv = memoryview(scratch)
             for i in idx:
                 obj = mv[pos : pos + HEADER_SIZE + sizes[i]]
-                obj[:HEADER_SIZE] = encode_header(sizes[i])
                 at = HEADER_SIZE
                 for v in pages[i]:
                     obj[at : at + len(v)] = v
                     at += len(v)
+                seal(obj)
                 objs.append(obj)
                 pos += len(obj)
             try:

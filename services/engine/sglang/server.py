@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from mooncake_k8s.common.blocks import KeyNamespace, sglang_key_prefix
-from mooncake_k8s.common.netutil import free_port
+from mooncake_k8s.common.netutil import free_service_port
 from mooncake_k8s.engine.child import EngineChild, EngineHttpError, owned_flag
 
 from .hicache import BACKEND_NAME, CLASS, MODULE
@@ -119,7 +119,7 @@ class SglangServer(EngineChild):
         self.dtype = _dtype_name(kv if kv != "auto" else _arg(args, "--dtype", "auto"))
         self.kv_layout = f"sglang/{self.mem_layout}/tp{self.tp}"
         self.bootstrap_port = cfg.bootstrap_port or (
-            free_port(cfg.host) if cfg.role == "prefill" else 0)
+            free_service_port(cfg.host) if cfg.role == "prefill" else 0)
         self.public = cfg.host not in ("127.0.0.1", "::1", "localhost")
         self.info: dict[str, Any] = {}
         self.max_context = 0

@@ -115,6 +115,22 @@ def test_misses_leave_memory_untouched(cluster: StoreCluster, pool: DirectPagePo
     assert set(same.content(1)) == {0xAB} and set(same.content(2)) == {0xAB}
 
 
+def test_a_page_altered_after_it_was_sealed_is_a_miss(cluster: StoreCluster,
+                                                      pool: DirectPagePool) -> None:
+    """Header intact, one payload byte flipped (as a buggy or hostile writer would store it):
+    the store's own checksum is of the altered object, so only the page's seal catches it."""
+    src = Pages(1, 256, seed=5)
+    assert pool.put_pages(["sealed"], src.all()) == [True]
+    with cluster.client() as c:
+        obj = bytearray(c.get("sealed"))
+        obj[pp.HEADER_SIZE + 1000] ^= 0x01
+        c.remove(["sealed"], force=True)
+        c.put("sealed", obj)
+    dst = Pages(1, 256, fill=0xAB)
+    assert pool.get_pages(["sealed"], dst.all()) == [False]
+    assert (dst.buf == 0xAB).all()
+
+
 def test_chunked_batches(monkeypatch: pytest.MonkeyPatch, pool: DirectPagePool) -> None:
     monkeypatch.setattr(pp, "CHUNK_BYTES", 40 * KiB)  # ~2 pages a round trip
     src = Pages(7, 256, seed=4)  # 15 KiB pages
