@@ -5,8 +5,10 @@ cd "$(dirname "$0")/.."
 # The repo-root folder operator/ would shadow the stdlib module `operator` whenever Python puts
 # the working directory on sys.path (python -m ...). Never let it.
 export PYTHONSAFEPATH=1
-# The tests run real vLLM workers: install vLLM (CPU build) and fail, not skip, without it.
+# The tests run real vLLM and SGLang workers: install both (CPU builds) and fail, not skip,
+# without them.
 export MOONCAKE_WITH_VLLM=1 MOONCAKE_REQUIRE_VLLM=1
+export MOONCAKE_WITH_SGLANG=1 MOONCAKE_REQUIRE_SGLANG=1
 bash scripts/setup.sh
 . .venv/bin/activate
 ruff check .

@@ -277,6 +277,9 @@ def conductor(**o: Any) -> None:
               help="One argument for every worker's engine (repeatable); also everything "
                    "after `--`. With vllm on a CPU and none given: "
                    "--enforce-eager --dtype bfloat16 --max-model-len 2048 --max-num-seqs 16.")
+@click.option("--sidecar", "with_sidecar", is_flag=True,
+              help="Give each worker a transfer sidecar (`mooncake sidecar`) as a pod has: "
+                   "SGLang's KV pool traffic then goes through its Unix socket.")
 @click.argument("engine_argv", nargs=-1, type=click.UNPROCESSED)
 @_apply(_model_opts)
 @_apply(_sched_opts)
@@ -296,6 +299,7 @@ def up(**o: Any) -> None:
         served_model_name=o["served_model_name"], block_tokens=o["block_tokens"],
         device=o["device"], threads=o["threads"], ready_timeout_s=o["ready_timeout"],
         engine=o["engine_kind"], engine_args=[*o["engine_args"], *o["engine_argv"]],
+        sidecar=o["with_sidecar"],
         extra_env={env: str(o[key]) for key, env in (
             ("scheduler", "MOONCAKE_SCHEDULER"), ("cost_model", "MOONCAKE_COST_MODEL"),
             ("ttft_slo_ms", "MOONCAKE_TTFT_SLO_MS"), ("tbt_slo_ms", "MOONCAKE_TBT_SLO_MS"))

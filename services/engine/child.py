@@ -9,6 +9,7 @@ Kubernetes) restarts the pod.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import http.client
 import json
@@ -82,6 +83,10 @@ class EngineChild:
     def start(self) -> None:
         log.info("starting %s", self.name, extra={"port": self.port, "role": self.role})
         self.proc = subprocess.Popen(self.command(), env=self.env(), start_new_session=True)
+        # The child has its own session (so signals to the worker's group do not reach it
+        # half-way): a worker that exits for any reason, even while the engine still loads,
+        # must take it along.
+        atexit.register(self._kill_group)
         deadline = time.monotonic() + self.ready_timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -96,6 +101,11 @@ class EngineChild:
                                    f"{self.ready_timeout_s:.0f} s")
             time.sleep(0.5)
         self.after_ready()
+
+    def _kill_group(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
 
     def failure(self) -> str | None:
         if self.proc is None:

@@ -86,7 +86,6 @@ class SglangServerConfig:
     bootstrap_port: int = 0
     pd_port: int = 0
     sidecar: str = ""
-    hicache_gb: int = 1
     extra_args: list[str] = field(default_factory=list)
     transport: str = "auto"
     python: str = sys.executable
@@ -152,8 +151,10 @@ class SglangServer(EngineChild):
                     "--enable-hierarchical-cache", "--hicache-storage-backend", "dynamic",
                     "--hicache-storage-backend-extra-config",
                     json.dumps(self.hicache_config())]
-            if self.cpu and "--hicache-size" not in c.extra_args:
-                cmd += ["--hicache-size", str(c.hicache_gb)]
+            if self.cpu and not {"--hicache-size", "--hicache-ratio"} & set(c.extra_args):
+                # Host pool as large as the device pool: a CPU box runs several instances
+                # side by side, and SGLang refuses to start when its host pool does not fit.
+                cmd += ["--hicache-ratio", "1"]
         if self.cpu:
             cmd += CPU_FLAGS
             if "--max-total-tokens" not in c.extra_args:

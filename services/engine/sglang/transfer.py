@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from mooncake_k8s.common.errors import TransferError
+from mooncake_k8s.common.errors import MooncakeError
 from mooncake_k8s.transfer.engine import TransferEngine
 from mooncake_k8s.transfer.ops import Peer
 from mooncake_k8s.transfer.regions import RegionTable, RegionWriter
@@ -112,7 +112,7 @@ class OurTransferEngine:
         peer = self._peer(session_id)
         try:
             self._writer.write(peer, buffers, peer_buffer_addresses, lengths)
-        except (TransferError, OSError) as e:
+        except (MooncakeError, OSError) as e:  # a typed failure, never an exception into SGLang
             _count(pd_failed=1)
             log.warning("PD transfer to %s failed: %s", session_id, e)
             self._writer.forget(peer)
@@ -124,7 +124,7 @@ class OurTransferEngine:
         """0 when the peer's transfer server answers (its directory is readable)."""
         try:
             self._writer.probe(self._peer(peer_session_id))
-        except (TransferError, OSError):
+        except (MooncakeError, OSError):
             return -1
         return 0
 

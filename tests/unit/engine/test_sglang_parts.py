@@ -1,0 +1,121 @@
+"""SGLang integration parts that need no running server: our page keys are SGLang's (checked
+against SGLang's own hash in a subprocess with our CPU import path), the worker's command line
+owns the right flags, and the CPU import stand-ins fail loudly when called."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mooncake_k8s.common.blocks import KeyNamespace, block_keys, sglang_key_prefix
+from mooncake_k8s.engine.child import owned_flag
+from mooncake_k8s.engine.sglang.server import (
+    CPU_PATH,
+    OWNED_FLAGS,
+    SglangServer,
+    SglangServerConfig,
+)
+
+HAVE_SGLANG = importlib.util.find_spec("sglang") is not None or bool(
+    os.environ.get("MOONCAKE_REQUIRE_SGLANG"))
+
+PARITY = """
+import json, sys
+from sglang.srt.mem_cache.utils import get_hash_str, storage_namespace_seed
+toks, page, salt = json.loads(sys.argv[1])
+prior = storage_namespace_seed(None, salt) if salt else None
+out = []
+for i in range(len(toks) // page):
+    prior = get_hash_str(toks[i * page:(i + 1) * page], prior)
+    out.append(prior)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not HAVE_SGLANG, reason="SGLang is not installed")
+@pytest.mark.parametrize("tenant", ["", "tenant-a"])
+def test_our_page_keys_are_sglangs_page_hashes(tenant: str) -> None:
+    from mooncake_k8s.common.blocks import engine_cache_salt
+
+    toks = list(range(3000, 3000 + 16 * 5 + 7))
+    ns = KeyNamespace("ab" * 16, "float16", 16, tenant_salt=tenant,
+                      kv_layout="sglang/layer_first/tp1")
+    env = {**os.environ, "PYTHONPATH": str(CPU_PATH)}
+    out = subprocess.run([sys.executable, "-c", PARITY,
+                          json.dumps([toks, 16, engine_cache_salt(tenant)])],
+                         env=env, capture_output=True, text=True, timeout=120, check=True)
+    theirs = json.loads(out.stdout)
+    ours = block_keys(ns, toks)
+    assert len(ours) == 5
+    assert ours == [sglang_key_prefix(ns) + h for h in theirs]
+
+
+def test_tenants_and_shapes_never_share_sglang_pages() -> None:
+    toks = list(range(64 * 3))
+    base = KeyNamespace("cd" * 16, "float16", 64, kv_layout="sglang/layer_first/tp1")
+    a = block_keys(KeyNamespace("cd" * 16, "float16", 64, "a", kv_layout=base.kv_layout), toks)
+    b = block_keys(KeyNamespace("cd" * 16, "float16", 64, "b", kv_layout=base.kv_layout), toks)
+    tp2 = block_keys(KeyNamespace("cd" * 16, "float16", 64, kv_layout="sglang/layer_first/tp2"),
+                     toks)
+    plain = block_keys(base, toks)
+    assert len({*a, *b, *tp2, *plain}) == 12
+    # the tenant is in the hash chain, not the prefix: one deployment, one prefix
+    assert a[0].rsplit("/", 1)[0] == plain[0].rsplit("/", 1)[0]
+
+
+def _server(tmp_path: Path, role: str, args: list[str], host: str = "127.0.0.1") -> SglangServer:
+    return SglangServer(SglangServerConfig(
+        model_dir=tmp_path, served_name="m", fingerprint="ef" * 16, page_tokens=64,
+        master="127.0.0.1:1", token="secret-token", role=role, host=host, extra_args=args,
+        work_dir=tmp_path))
+
+
+def test_prefill_command_pairs_hicache_and_pd(tmp_path: Path) -> None:
+    s = _server(tmp_path, "prefill", ["--tp-size", "2", "--dtype", "bfloat16"])
+    cmd = s.command()
+    assert cmd[cmd.index("--disaggregation-mode") + 1] == "prefill"
+    assert cmd[cmd.index("--disaggregation-transfer-backend") + 1] == "mooncake"
+    extra = json.loads(cmd[cmd.index("--hicache-storage-backend-extra-config") + 1])
+    assert extra["interface_v1"] == 1 and extra["class_name"] == "MooncakeK8sHiCache"
+    assert extra["key_prefix"] == sglang_key_prefix(s.namespace())
+    assert s.kv_layout == "sglang/layer_first/tp2" and s.dtype == "bfloat16"
+    assert "--api-key" not in cmd  # loopback: nobody else can reach it
+    assert s.bootstrap_addr.startswith("127.0.0.1:")
+    env = s.env()
+    assert env["MOONCAKE_K8S_SGLANG"] == "1" and env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert str(CPU_PATH) in env["PYTHONPATH"].split(os.pathsep)
+
+
+def test_decode_off_loopback_takes_the_token_as_api_key(tmp_path: Path) -> None:
+    s = _server(tmp_path, "decode", [], host="10.1.2.3")
+    cmd = s.command()
+    assert cmd[cmd.index("--api-key") + 1] == "secret-token"
+    assert "--enable-hierarchical-cache" not in cmd and not s.bootstrap_addr
+    assert s.headers() == {"Authorization": "Bearer secret-token"}
+
+
+def test_owned_flags_are_refused(tmp_path: Path) -> None:
+    for bad in (["--port", "9"], ["--page-size=16"], ["--disaggregation-mode", "null"],
+                ["--hicache-storage-backend", "file"], ["--api-key", "x"]):
+        assert owned_flag(bad, OWNED_FLAGS) == bad[0].split("=")[0]
+        with pytest.raises(ValueError, match="set by the worker"):
+            _server(tmp_path, "prefill", bad)
+    assert owned_flag(["--tp-size", "2", "--mem-fraction-static", "0.8"], OWNED_FLAGS) is None
+
+
+def test_cpu_stand_ins_fail_loudly_when_called() -> None:
+    code = ("import sgl_kernel, torchvision\n"
+            "from torchvision.transforms import InterpolationMode\n"
+            "assert InterpolationMode.BICUBIC.value == 'bicubic'\n"
+            "try:\n    sgl_kernel.kvcacheio.transfer_kv_all_layer(1)\n"
+            "except NotImplementedError as e:\n    print('loud:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ,
+                         "PYTHONPATH": str(CPU_PATH)}, capture_output=True, text=True,
+                         timeout=60, check=True)
+    assert "loud: sgl_kernel.kvcacheio.transfer_kv_all_layer is not available" in out.stdout
