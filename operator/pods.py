@@ -1,4 +1,5 @@
-"""Pod templates for each role, configured entirely through `mooncake` CLI environment variables.
+"""Pod templates for each role, configured through `mooncake` CLI environment variables (SGLang
+workers and their transfer sidecar also get their own options as flags, see `sglang_args`).
 
 Pure: a defaulted spec in, plain dicts out. `render.py` wraps these templates into workloads and
 hashes them into per-role revisions, so anything that must not restart a role (replica counts,
@@ -18,13 +19,17 @@ from decimal import Decimal
 from typing import Any
 
 from mooncake_k8s.operator import naming
-from mooncake_k8s.operator.schema import DATA_ROLES
+from mooncake_k8s.operator.schema import DATA_ROLES, SIDECAR_STAGING_DEFAULT
 
 Obj = dict[str, Any]
 UID = 10001
 MODEL_DIR = "/models"
 RUN_DIR = "/var/run/mooncake"
 RDMA_RECORD = f"{RUN_DIR}/rdma.json"
+# The transfer sidecar's socket folder (sglang pods). On Debian images /var/run is a link to
+# /run, so this is RUN_DIR's folder too: pods with a sidecar mount the one `run` volume here.
+SIDECAR_DIR = "/run/mooncake"
+SIDECAR_SOCKET = f"{SIDECAR_DIR}/sidecar.sock"
 SSD_DIR = "/var/lib/mooncake/ssd"
 CACHE_DIR = "/var/cache/mooncake"
 SHM_MARGIN = 256 << 20
@@ -37,6 +42,8 @@ MIB = 1 << 20
 VLLM_SHM_MIN = 256 * MIB
 VLLM_SHM_MAX = 2 * GIB
 VLLM_CPU_KVCACHE_DEFAULT_GIB = 4
+# Engines that run as a server child of the worker (slow to load, share memory in /dev/shm).
+SERVER_ENGINES = ("vllm", "sglang")
 # Extended resources that put a GPU in the container: nvidia.com/gpu, amd.com/gpu, and MIG
 # slices (nvidia.com/mig-1g.10gb, ...).
 _GPU_SUFFIX = "/gpu"
@@ -71,8 +78,12 @@ class Ctx:
             if engine.get("image"):
                 return str(engine["image"])
             if engine["kind"] != "embedded":
-                return naming.image_variant(str(self.spec["image"]), engine["kind"])
+                return naming.image_variant(str(self.spec["image"]), image_suffix(self.spec))
         return str(self.spec["image"])
+
+    def sidecar_on(self, role: str) -> bool:
+        """The role's pods get a transfer sidecar (sglang prefill and decode)."""
+        return self.spec["engine"]["kind"] == "sglang" and role in ("prefill", "decode")
 
     def token_env(self) -> Obj:
         ref = self.spec.get("clusterTokenSecret") or {
@@ -138,6 +149,26 @@ def gpu_count(spec: Obj, role: str) -> int:
     return 0
 
 
+def device(spec: Obj, role: str) -> str | None:
+    """Where the role's engine computes: engine.device when set; `cuda` for sglang (its
+    production path); else `cuda` with a GPU resource, `cpu` for vllm without one, and None
+    (the embedded engine's own choice) for embedded without one."""
+    engine = spec["engine"]
+    if engine.get("device"):
+        return str(engine["device"])
+    if engine["kind"] == "sglang" or gpu_count(spec, role):
+        return "cuda"
+    return "cpu" if engine["kind"] == "vllm" else None
+
+
+def image_suffix(spec: Obj) -> str:
+    """The tag suffix of the engine's image variant: `vllm`, `sglang`, or `sglang-cpu`."""
+    kind = str(spec["engine"]["kind"])
+    if kind == "sglang" and spec["engine"].get("device") == "cpu":
+        return "sglang-cpu"
+    return kind
+
+
 def _memory(spec: Obj, role: str, *order: str) -> int | None:
     """The container's memory from the first of `order` ('requests', 'limits') that sets it."""
     res = spec["roles"][role].get("resources") or {}
@@ -173,6 +204,9 @@ def _resources(ctx: Ctx, role: str) -> Obj:
     for name, count in (res.get("requests") or {}).items():
         if is_gpu_resource(name):
             res.setdefault("limits", {}).setdefault(name, count)
+    if (role in ("prefill", "decode") and device(ctx.spec, role) == "cuda"
+            and not gpu_count(ctx.spec, role)):
+        res.setdefault("limits", {})["nvidia.com/gpu"] = 1  # engine.device cuda: one GPU
     if ctx.rdma_on(role):
         rname, count = ctx.spec["rdma"]["resourceName"], ctx.spec["rdma"]["count"]
         # Extended resources need requests == limits; setting limits implies the request.
@@ -182,9 +216,11 @@ def _resources(ctx: Ctx, role: str) -> Obj:
     return {k: v for k, v in res.items() if v}
 
 
-def _ports(role: str) -> list[Obj]:
-    return [{"name": n, "containerPort": p, "protocol": "TCP"}
-            for n, p in naming.PORTS[role].items()]
+def _ports(role: str, engine: str = "embedded") -> list[Obj]:
+    ports = dict(naming.PORTS[role])
+    if engine == "sglang":
+        ports.update(naming.SGLANG_PORTS.get(role, {}))
+    return [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in ports.items()]
 
 
 def _shm(size_bytes: int) -> tuple[Obj, Obj]:
@@ -352,21 +388,51 @@ def _role_env(ctx: Ctx, role: str) -> tuple[list[Obj], list[str]]:
            _env("MOONCAKE_BLOCK_TOKENS", spec["store"]["blockTokens"]),
            _env("MOONCAKE_TRANSFER_PROTOCOL", spec["transferProtocol"]),
            _env("MOONCAKE_STORE_REPLICAS", spec["store"]["replicationFactor"])]
-    if spec["engine"].get("args"):
+    kind = spec["engine"]["kind"]
+    if spec["engine"].get("args") and kind != "sglang":
         env.append(_env("MOONCAKE_ENGINE_ARGS", shlex.join(spec["engine"]["args"])))
+    if spec["engine"].get("device") and kind != "sglang":
+        env.append(_env("MOONCAKE_DEVICE", spec["engine"]["device"]))
     if role == "decode":
         env.append(_env("MOONCAKE_LOCAL_SEGMENT_SIZE",
                         naming.parse_bytes(spec["roles"]["decode"]["localSegmentSize"])))
-    if spec["engine"]["kind"] == "vllm":
+    if kind == "vllm":
         env += _vllm_env(spec, role)
+    if kind == "sglang":
+        env += _sglang_env(spec, role)
+        return env, sglang_args(spec, role)
     return env, [role]
+
+
+def sglang_args(spec: Obj, role: str) -> list[str]:
+    """The SGLang worker's command line (after the image's `mooncake` entrypoint). The
+    options every worker shares come from the environment as for the other engines; these
+    are the SGLang ones, then SGLang's own flags after `--`."""
+    ports = naming.SGLANG_PORTS[role]
+    args = [role, "--engine", "sglang", "--device", str(device(spec, role)),
+            "--sidecar", SIDECAR_SOCKET, "--advertise-host", "$(MOONCAKE_POD_IP)"]
+    if role == "prefill":
+        args += ["--sglang-bootstrap-port", str(ports["bootstrap"])]
+    args += ["--pd-transfer-port", str(ports["pd-transfer"])]
+    extra = [str(a) for a in spec["engine"].get("args") or []]
+    return [*args, "--", *extra] if extra else args
+
+
+def _sglang_env(spec: Obj, role: str) -> list[Obj]:
+    env = [_env("HF_HUB_OFFLINE", 1)]  # the model is a local directory: never reach the Hub
+    if device(spec, role) == "cpu":
+        env.append(_env("SGLANG_USE_CPU_ENGINE", 1))
+        cpus = _cpus(spec, role)
+        if cpus is not None:  # torch's threads follow the CPU the pod may use
+            env.append(_env("OMP_NUM_THREADS", cpus))
+    return env
 
 
 def _vllm_env(spec: Obj, role: str) -> list[Obj]:
     """vLLM's own settings. The worker starts vLLM with its environment, so they go here."""
     env = [_env("VLLM_NO_USAGE_STATS", 1),  # no usage reports to vLLM's servers from a cluster
            _env("HF_HUB_OFFLINE", 1)]  # the model is a local directory: never reach the Hub
-    if gpu_count(spec, role):
+    if device(spec, role) == "cuda":
         return env
     # vLLM's CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE alone (GiB, default 4):
     # half of the memory request left after /dev/shm (which counts against the pod's memory),
@@ -399,14 +465,24 @@ def shm_bytes(spec: Obj, role: str) -> int | None:
         size = naming.parse_bytes(r["shmSize"])
     else:
         return None
-    if spec["engine"]["kind"] == "vllm":
+    if spec["engine"]["kind"] in SERVER_ENGINES:
         size += vllm_shm_bytes(spec, role)
+    if spec["engine"]["kind"] == "sglang":
+        size += sidecar_staging_bytes(spec)
     return size
 
 
+def sidecar_staging_bytes(spec: Obj) -> int:
+    # No schema default on engine.sidecar itself: a default there would change spec.engine,
+    # and with it the serving revision, of every existing cluster.
+    sidecar = spec["engine"].get("sidecar") or {}
+    return naming.parse_bytes(sidecar.get("stagingSize", SIDECAR_STAGING_DEFAULT))
+
+
 def vllm_shm_bytes(spec: Obj, role: str) -> int:
-    """vLLM's share of /dev/shm: 1/8 of the container's memory (limit, else request) in whole
-    MiB within [VLLM_SHM_MIN, VLLM_SHM_MAX]; VLLM_SHM_MAX when neither is set."""
+    """The engine server's share of /dev/shm (vLLM's or SGLang's): 1/8 of the container's
+    memory (limit, else request) in whole MiB within [VLLM_SHM_MIN, VLLM_SHM_MAX];
+    VLLM_SHM_MAX when neither is set."""
     memory = _memory(spec, role, "limits", "requests")
     if memory is None:
         return VLLM_SHM_MAX
@@ -414,11 +490,11 @@ def vllm_shm_bytes(spec: Obj, role: str) -> int:
 
 
 def _probes(role: str, engine: str = "embedded") -> Obj:
-    if role in ("prefill", "decode") and engine == "vllm":
-        # vLLM starts in ~40 s on a CPU and in minutes on a GPU (weights, torch.compile, CUDA
-        # graphs); /readyz says 503 meanwhile. The startup probe allows an hour before liveness
-        # counts, and both probes allow 10 s answers: vLLM keeps every core busy while it loads
-        # and serves, and the worker's health thread shares them.
+    if role in ("prefill", "decode") and engine in SERVER_ENGINES:
+        # vLLM and SGLang start in ~40 s on a CPU and in minutes on a GPU (weights,
+        # torch.compile, CUDA graphs); /readyz says 503 meanwhile. The startup probe allows an
+        # hour before liveness counts, and both probes allow 10 s answers: the engine keeps
+        # every core busy while it loads and serves, and the worker's health thread shares them.
         return {"startupProbe": _http_probe("/healthz", "metrics", 10, 360, timeout=10),
                 "livenessProbe": _http_probe("/healthz", "metrics", 10, 6, timeout=10),
                 "readinessProbe": _http_probe("/readyz", "metrics", 5, 6, timeout=10)}
@@ -435,6 +511,44 @@ def _probes(role: str, engine: str = "embedded") -> Obj:
             "readinessProbe": _tcp_probe(port, 5, 3)}
 
 
+def _sidecar(ctx: Ctx, role: str) -> Obj:
+    """The transfer sidecar as a native sidecar: an init container with restartPolicy Always
+    (Kubernetes 1.29+) starts, and passes its startup probe (the socket exists), before the
+    worker starts, and stops after the worker has."""
+    spec = ctx.spec
+    staging = sidecar_staging_bytes(spec)
+
+    def socket_probe() -> Obj:  # fresh dicts: shared ones would print as YAML aliases
+        return {"exec": {"command": ["test", "-S", SIDECAR_SOCKET]}}
+
+    c: Obj = {
+        "name": "sidecar",
+        "image": ctx.image(role),
+        "imagePullPolicy": spec["imagePullPolicy"],
+        "restartPolicy": "Always",
+        "args": ["sidecar", "--socket", SIDECAR_SOCKET, "--master", ctx.master_addr,
+                 "--staging-size", str(staging)],
+        "env": [ctx.token_env(), _env("MOONCAKE_LOG_LEVEL", spec["logLevel"]),
+                _env("MOONCAKE_LOG_FORMAT", spec["logFormat"]), _env("HOME", "/tmp")],
+        "volumeMounts": [{"name": "run", "mountPath": SIDECAR_DIR},
+                         {"name": "dshm", "mountPath": "/dev/shm"},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+        # The staging segment lives in /dev/shm and is charged to this container's memory.
+        "resources": {"requests": {"cpu": "100m",
+                                   "memory": naming.format_bytes(staging + 128 * MIB)}},
+        "startupProbe": {**socket_probe(), "periodSeconds": 1, "timeoutSeconds": 5,
+                         "failureThreshold": 120},
+        "readinessProbe": {**socket_probe(), "periodSeconds": 10, "timeoutSeconds": 5,
+                           "failureThreshold": 3},
+        "securityContext": _security(ctx.rdma_on(role)),
+    }
+    if ctx.rdma_on(role):  # the sidecar moves the pool's KV bytes: it needs the device too
+        rname, count = spec["rdma"]["resourceName"], spec["rdma"]["count"]
+        c["resources"]["limits"] = {rname: count}
+        c["resources"]["requests"][rname] = count
+    return c
+
+
 def pod_template(ctx: Ctx, role: str) -> Obj:
     """The role's PodTemplateSpec before the user's podTemplate override is merged in."""
     spec, rspec = ctx.spec, ctx.spec["roles"][role]
@@ -446,15 +560,22 @@ def pod_template(ctx: Ctx, role: str) -> Obj:
         v, m = _shm(size)
         volumes.append(v)
         mounts.append(m)
-    if ctx.rdma_on(role):  # first: it takes a second, the model download may take an hour
+    sidecar = ctx.sidecar_on(role)
+    if ctx.rdma_on(role) or sidecar:
         volumes.append({"name": "run", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}})
-        mounts.append({"name": "run", "mountPath": RUN_DIR, "readOnly": True})
+        if sidecar:  # the worker connects to the sidecar's socket there
+            mounts.append({"name": "run", "mountPath": SIDECAR_DIR})
+        else:
+            mounts.append({"name": "run", "mountPath": RUN_DIR, "readOnly": True})
+    if ctx.rdma_on(role):  # first: it takes a second, the model download may take an hour
         init.append(_rdma_probe(ctx, role))
     if role in ("prefill", "decode"):
         _, mvols, mmounts, minit = _model(ctx)
         volumes += mvols
         mounts += mmounts
         init += minit
+    if sidecar:  # last: it starts right before the worker (and stops after it)
+        init.append(_sidecar(ctx, role))
     if role == "store" and "ssd" in spec["store"]:
         mounts.append({"name": "ssd", "mountPath": SSD_DIR})
     if role == "conductor":
@@ -473,7 +594,7 @@ def pod_template(ctx: Ctx, role: str) -> Obj:
         "imagePullPolicy": spec["imagePullPolicy"],
         "args": args,
         "env": _base_env(ctx) + env,
-        "ports": _ports(role),
+        "ports": _ports(role, spec["engine"]["kind"]),
         "volumeMounts": mounts,
         "securityContext": _security(ctx.rdma_on(role)),
         **_probes(role, spec["engine"]["kind"]),

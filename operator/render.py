@@ -83,6 +83,10 @@ def _check(spec: Obj) -> None:
             spec["roles"]["decode"]["shmSize"]) < naming.parse_bytes(
             spec["roles"]["decode"]["localSegmentSize"]):
         raise SpecError("roles.decode.shmSize must hold roles.decode.localSegmentSize")
+    for role in ("prefill", "decode"):
+        if spec["engine"].get("device") == "cpu" and pods.gpu_count(spec, role):
+            raise SpecError(f"engine.device is cpu but roles.{role}.resources requests a GPU; "
+                            "remove the GPU or set engine.device cuda")
 
 
 def render(cluster: Obj, replicas: Mapping[str, int] | None = None) -> Rendered:

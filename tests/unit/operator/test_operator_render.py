@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import yaml
 from click.testing import CliRunner
 
 from mooncake_k8s.cli import main
-from mooncake_k8s.operator import naming
+from mooncake_k8s.operator import naming, pods
 from mooncake_k8s.operator import schema as validation_schema
 from mooncake_k8s.operator.render import Rendered, SpecError, render
 from mooncake_k8s.operator.schema import DATA_ROLES, ROLES
@@ -53,7 +54,7 @@ def _template(r: Rendered, role: str) -> Obj:
     return t
 
 
-@pytest.mark.parametrize("stem", ["laptop-cpu", "gpu-rdma", "vllm-cpu"])
+@pytest.mark.parametrize("stem", ["laptop-cpu", "gpu-rdma", "vllm-cpu", "sglang-cpu"])
 def test_render_cli_matches_golden(repo: Path, stem: str) -> None:
     result = CliRunner().invoke(main, ["render", "-f", str(repo / "deploy/examples" /
                                                            f"{stem}.yaml")])
@@ -416,10 +417,10 @@ def test_vllm_gpu_pods(examples: dict[str, Obj], make_cluster: Callable[..., Obj
         assert _volume(t, "dshm")["emptyDir"]["medium"] == "Memory"
         kubernetes_validate.validate(r.get("StatefulSet", f"demo-{role}"), K8S_VERSION, True)
     assert _volume(_template(r, "prefill"), "dshm")["emptyDir"]["sizeLimit"] == "3Gi"
-    # The shipped GPU example (SGLang) renders as before: its engine image, no vLLM settings.
+    # The shipped GPU example (SGLang): its engine's image variant, no vLLM settings.
     g = render(validate_cluster(examples["gpu-rdma"]))
     c = _container(g.get("StatefulSet", "qwen-prefill")["spec"]["template"], "prefill")
-    assert c["image"] == "registry.example.com/mooncake-k8s-sglang:0.1.0"
+    assert c["image"] == "registry.example.com/mooncake-k8s:0.1.0-sglang"
     assert not any(e["name"].startswith("VLLM_") for e in c["env"])
 
 
@@ -515,3 +516,302 @@ def test_vllm_cpu_example(examples: dict[str, Obj]) -> None:
         assert "--enforce-eager" in env["MOONCAKE_ENGINE_ARGS"]
         vols = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
         assert vols["model"]["persistentVolumeClaim"]["claimName"] == "smollm2-135m-instruct"
+
+
+# ---- SGLang workers
+
+SOCKET = "/run/mooncake/sidecar.sock"
+
+
+def _sglang(make_cluster: Callable[..., Obj], roles: Obj | None = None,
+            **engine: Any) -> Rendered:
+    return _render(make_cluster({"engine": {"kind": "sglang", **engine}, "model": VLLM_MODEL,
+                                 "roles": roles or {}}))
+
+
+def _init(t: Obj, name: str) -> Obj:
+    c: Obj = next(c for c in t["spec"].get("initContainers", []) if c["name"] == name)
+    return c
+
+
+def _ports_of(c: Obj) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in c["ports"]}
+
+
+def test_sglang_cpu_pods(make_cluster: Callable[..., Obj]) -> None:
+    res = {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"cpu": "1500m",
+                                                                 "memory": "6Gi"}}
+    r = _sglang(make_cluster, {"prefill": {"resources": res}, "decode": {"resources": res}},
+                device="cpu", args=["--dtype", "bfloat16", "--context-length", "2048"])
+    for role in ("prefill", "decode"):
+        t = _template(r, role)
+        c = _container(t, role)
+        env = _values(c)
+        assert c["image"] == "mooncake-k8s:0.1.0-sglang-cpu" and "command" not in c
+        bootstrap = ["--sglang-bootstrap-port", "8998"] if role == "prefill" else []
+        assert c["args"] == [role, "--engine", "sglang", "--device", "cpu", "--sidecar", SOCKET,
+                             "--advertise-host", "$(MOONCAKE_POD_IP)", *bootstrap,
+                             "--pd-transfer-port", "7300",
+                             "--", "--dtype", "bfloat16", "--context-length", "2048"]
+        # SGLang's flags go after `--`, never twice through MOONCAKE_ENGINE_ARGS as well
+        assert "MOONCAKE_ENGINE_ARGS" not in env
+        assert env["MOONCAKE_ENGINE"] == "sglang" and env["MOONCAKE_MODEL"] == "/models"
+        assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+        assert env["OMP_NUM_THREADS"] == "2"  # the 1.5-CPU limit, rounded up
+        assert not any(k.startswith("VLLM_") for k in env)
+        assert not any(is_gpu for is_gpu in map(pods.is_gpu_resource,
+                                                [*c["resources"].get("limits", {}),
+                                                 *c["resources"].get("requests", {})]))
+        want = {"grpc": naming.PORTS[role]["grpc"], "metrics": 9090, "pd-transfer": 7300}
+        if role == "prefill":
+            want["bootstrap"] = 8998
+        assert _ports_of(c) == want
+        # /dev/shm: the transfer share + SGLang's 1/8 of 6Gi + the sidecar's 256Mi staging
+        transfer = {"prefill": 1 << 30, "decode": 3 << 30}[role]
+        assert _volume(t, "dshm")["emptyDir"] == {
+            "medium": "Memory", "sizeLimit": naming.format_bytes(transfer + (768 << 20)
+                                                                 + (256 << 20))}
+        assert _volume(t, "run")["emptyDir"]["medium"] == "Memory"
+        assert {"name": "run", "mountPath": "/run/mooncake"} in c["volumeMounts"]
+        kubernetes_validate.validate(r.get("StatefulSet", f"demo-{role}"), K8S_VERSION, True)
+
+
+def test_sglang_sidecar_is_a_native_sidecar(make_cluster: Callable[..., Obj]) -> None:
+    r = _render(make_cluster({
+        "engine": {"kind": "sglang", "device": "cpu", "sidecar": {"stagingSize": "512Mi"}},
+        "model": {"huggingFace": {"id": "Qwen/Qwen2.5-0.5B"}}, "logLevel": "debug",
+        "clusterTokenSecret": {"name": "tok", "key": "t"}}))
+    for role in ("prefill", "decode"):
+        t = _template(r, role)
+        # last init container: after the model download, right before the worker
+        assert [c["name"] for c in t["spec"]["initContainers"]] == ["model-download", "sidecar"]
+        sc = _init(t, "sidecar")
+        assert sc["restartPolicy"] == "Always"  # native sidecar (Kubernetes 1.29+)
+        assert sc["image"] == _container(t, role)["image"] == "mooncake-k8s:0.1.0-sglang-cpu"
+        assert sc["args"] == ["sidecar", "--socket", SOCKET, "--master",
+                              "demo-master.ml.svc.cluster.local:50051",
+                              "--staging-size", str(512 << 20)]
+        assert _env(sc)["MOONCAKE_CLUSTER_TOKEN"] == {"name": "MOONCAKE_CLUSTER_TOKEN",
+                                                      "valueFrom": {"secretKeyRef": {
+                                                          "name": "tok", "key": "t"}}}
+        assert _values(sc)["MOONCAKE_LOG_LEVEL"] == "debug"
+        # The socket folder and /dev/shm (the staging segment) are the worker's too.
+        worker = _container(t, role)
+        for mount in ({"name": "run", "mountPath": "/run/mooncake"},
+                      {"name": "dshm", "mountPath": "/dev/shm"}):
+            assert mount in sc["volumeMounts"] and mount in worker["volumeMounts"]
+        assert _volume(t, "dshm")["emptyDir"]["medium"] == "Memory"
+        for probe in ("startupProbe", "readinessProbe"):
+            assert sc[probe]["exec"] == {"command": ["test", "-S", SOCKET]}
+        assert sc["securityContext"]["readOnlyRootFilesystem"] is True
+        # the staging segment is charged to the sidecar's memory
+        assert naming.parse_bytes(sc["resources"]["requests"]["memory"]) > 512 << 20
+        kubernetes_validate.validate(r.get("StatefulSet", f"demo-{role}"), K8S_VERSION, True)
+    # Other engines and roles get no sidecar.
+    for engine in ({"kind": "embedded"}, {"kind": "vllm"}):
+        other = _render(make_cluster({"engine": engine, "model": VLLM_MODEL}))
+        for role in ROLES:
+            assert "sidecar" not in str(_template(other, role)["spec"].get("initContainers"))
+    for role in ("store", "master", "conductor"):
+        assert "initContainers" not in _template(r, role)["spec"]
+
+
+def test_sglang_defaults_to_cuda_with_one_gpu(make_cluster: Callable[..., Obj]) -> None:
+    r = _sglang(make_cluster, {"decode": {"resources": {"requests": {"nvidia.com/gpu": 2}}}},
+                args=["--tp-size", "2"])
+    for role, gpus in (("prefill", 1), ("decode", 2)):
+        t = _template(r, role)
+        c = _container(t, role)
+        env = _values(c)
+        assert c["image"] == _init(t, "sidecar")["image"] == "mooncake-k8s:0.1.0-sglang"
+        assert c["args"][3:5] == ["--device", "cuda"]
+        assert c["args"][-3:] == ["--", "--tp-size", "2"]
+        assert "SGLANG_USE_CPU_ENGINE" not in env and "OMP_NUM_THREADS" not in env
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == gpus
+        assert "nvidia.com/gpu" not in str(_init(t, "sidecar")["resources"])
+        kubernetes_validate.validate(r.get("StatefulSet", f"demo-{role}"), K8S_VERSION, True)
+    # without engine args there is no `--`
+    plain = _container(_template(_sglang(make_cluster), "decode"), "decode")
+    assert "--" not in plain["args"] and plain["args"][-2:] == ["--pd-transfer-port", "7300"]
+
+
+def test_engine_device_for_other_engines(make_cluster: Callable[..., Obj]) -> None:
+    # vllm on engine.device cuda: a GPU pod even without a GPU written in the resources
+    c = _container(_template(_vllm(make_cluster, engine={"kind": "vllm", "device": "cuda"}),
+                             "prefill"), "prefill")
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert "VLLM_CPU_KVCACHE_SPACE" not in _values(c)
+    assert _values(c)["MOONCAKE_DEVICE"] == "cuda"
+    # embedded: the device goes to the worker; unset, the worker picks (no env, no GPU added)
+    c = _container(_template(_render(make_cluster({"engine": {"kind": "embedded",
+                                                              "device": "cpu"}})), "decode"),
+                   "decode")
+    assert _values(c)["MOONCAKE_DEVICE"] == "cpu" and "resources" not in c
+    c = _container(_template(_render(make_cluster()), "decode"), "decode")
+    assert "MOONCAKE_DEVICE" not in _values(c) and "resources" not in c
+
+
+def test_cpu_device_with_a_gpu_is_a_spec_error(make_cluster: Callable[..., Obj]) -> None:
+    roles = {"decode": {"resources": {"limits": {"nvidia.com/gpu": 1}}}}
+    with pytest.raises(SpecError, match=r"engine.device is cpu but roles.decode.resources "
+                                        r"requests a GPU"):
+        _sglang(make_cluster, roles, device="cpu")
+    _sglang(make_cluster, roles)  # cuda (the default) is fine
+
+
+def test_sglang_with_rdma(make_cluster: Callable[..., Obj]) -> None:
+    """The rdma-probe record, the worker and the sidecar share one `run` volume: /var/run is
+    /run in the image, so two volumes there would collide."""
+    r = _render(make_cluster({"engine": {"kind": "sglang"}, "model": VLLM_MODEL,
+                              "rdma": {"enabled": True}}))
+    for role in ("prefill", "decode"):
+        t = _template(r, role)
+        assert [c["name"] for c in t["spec"]["initContainers"]] == ["rdma-probe", "sidecar"]
+        worker, sc = _container(t, role), _init(t, "sidecar")
+        assert [v["name"] for v in t["spec"]["volumes"]].count("run") == 1
+        for c in (worker, sc):
+            paths = [m["mountPath"].replace("/var/run/", "/run/") for m in c["volumeMounts"]]
+            assert len(paths) == len(set(paths)), paths
+            assert "/run/mooncake" in paths
+        # the sidecar moves the pool's KV bytes: RDMA device and IPC_LOCK as the worker
+        assert sc["resources"]["limits"]["rdma/rdma_shared_device_a"] == 1
+        assert sc["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        kubernetes_validate.validate(r.get("StatefulSet", f"demo-{role}"), K8S_VERSION, True)
+
+
+def test_sglang_probes_and_revision(make_cluster: Callable[..., Obj]) -> None:
+    embedded = _container(_template(_render(make_cluster()), "prefill"), "prefill")
+    base = _sglang(make_cluster)
+    for role in ("prefill", "decode"):
+        c = _container(_template(base, role), role)
+        budget = c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"]
+        assert budget >= 3600 and c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        assert c["livenessProbe"]["timeoutSeconds"] > embedded["livenessProbe"]["timeoutSeconds"]
+    # device and staging size are part of what prefill and decode pair on
+    assert _sglang(make_cluster, device="cpu").serving_revision != base.serving_revision
+    staged = _sglang(make_cluster, sidecar={"stagingSize": "1Gi"})
+    assert staged.serving_revision != base.serving_revision
+    assert staged.revisions["store"] == base.revisions["store"]
+
+
+def test_sglang_images(make_cluster: Callable[..., Obj]) -> None:
+    def image(role: str = "prefill", roles: Obj | None = None, spec_image: str | None = None,
+              **engine: Any) -> str:
+        spec: Obj = {"engine": {"kind": "sglang", **engine}, "model": VLLM_MODEL,
+                     "roles": roles or {}}
+        if spec_image:
+            spec["image"] = spec_image
+        c: str = _container(_template(_render(make_cluster(spec)), role), role)["image"]
+        return c
+
+    assert image(spec_image="reg.example:5000/mc/mooncake-k8s:1.2") == (
+        "reg.example:5000/mc/mooncake-k8s:1.2-sglang")
+    assert image(device="cuda") == "mooncake-k8s:0.1.0-sglang"
+    assert image("decode", device="cpu") == "mooncake-k8s:0.1.0-sglang-cpu"
+    assert image(device="cpu", spec_image="m") == "m:latest-sglang-cpu"
+    assert image("store", device="cpu") == "mooncake-k8s:0.1.0"
+    assert image(device="cpu", spec_image="x:1", image="mine:v") == "mine:v"
+    assert image("decode", {"decode": {"image": "d:1"}}, device="cpu") == "d:1"
+
+
+def test_sglang_shm_counts_against_the_memory_limit(make_cluster: Callable[..., Obj]) -> None:
+    # 1Gi transfer + 256Mi for SGLang + 256Mi staging = 1536Mi: above a 1400Mi limit
+    roles = {"prefill": {"resources": {"limits": {"memory": "1400Mi"}}}}
+    with pytest.raises(SpecError, match=r"\(1536Mi\)"):
+        _sglang(make_cluster, roles, device="cpu")
+
+
+def test_sidecar_can_be_overridden_per_role(make_cluster: Callable[..., Obj]) -> None:
+    override = {"spec": {"initContainers": [{"name": "sidecar", "resources": {
+        "limits": {"memory": "2Gi"}}}]}}
+    t = _template(_sglang(make_cluster, {"decode": {"podTemplate": override}}), "decode")
+    (sc,) = [c for c in t["spec"]["initContainers"] if c["name"] == "sidecar"]
+    assert sc["resources"]["limits"] == {"memory": "2Gi"}
+    assert sc["resources"]["requests"]["memory"] == "384Mi"  # maps merge
+    assert sc["restartPolicy"] == "Always"
+
+
+def _expand(text: str, env: dict[str, str]) -> str:
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m[1], m[0]), text)
+
+
+def _pod_env(c: Obj) -> dict[str, str]:
+    """The container's environment as the kubelet would resolve it (fake pod IP, name and
+    Secret values)."""
+    out: dict[str, str] = {}
+    for e in c.get("env", []):
+        if "value" in e:
+            out[e["name"]] = _expand(e["value"], out)
+        elif "fieldRef" in e["valueFrom"]:
+            out[e["name"]] = {"status.podIP": "10.1.2.3",
+                              "metadata.name": "pod-0"}[e["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            out[e["name"]] = "secret-token"
+    return out
+
+
+@pytest.mark.parametrize("stem", ["sglang-cpu", "gpu-rdma", "vllm-cpu", "laptop-cpu"])
+def test_worker_pods_run_real_cli_commands(examples: dict[str, Obj], stem: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every container of a prefill or decode pod that runs `mooncake` parses with the real
+    CLI, with the environment the pod would give it (a flag that does not exist, a wrong
+    type, or a missing required option fails here instead of in a crash-looping pod)."""
+    import click
+
+    r = render(validate_cluster(examples[stem]))
+    name = examples[stem]["metadata"]["name"]
+    for key in [k for k in os.environ if k.startswith(("MOONCAKE_", "SGLANG_"))]:
+        monkeypatch.delenv(key)
+    parsed = 0
+    for role in ("prefill", "decode"):
+        t = r.get("StatefulSet", f"{name}-{role}")["spec"]["template"]["spec"]
+        for c in [*t.get("initContainers", []), *t["containers"]]:
+            if "command" in c:
+                continue  # not the image's `mooncake` entrypoint (the model download)
+            env = _pod_env(c)
+            args = [_expand(a, env) for a in c["args"]]
+            with monkeypatch.context() as m:
+                for k, v in env.items():
+                    m.setenv(k, v)
+                group = main.make_context("mooncake", list(args), resilient_parsing=False)
+                cmd = main.get_command(group, args[0])
+                assert cmd is not None, args[0]
+                ctx = cmd.make_context(args[0], args[1:], parent=group)
+            p = ctx.params
+            parsed += 1
+            if args[0] == "sidecar":
+                assert p["socket_path"] == SOCKET and p["token"] == "secret-token"
+                ns = examples[stem]["metadata"]["namespace"]
+                assert p["master"] == f"{name}-master.{ns}.svc.cluster.local:50051"
+                assert p["staging_size"] > 0
+            elif args[0] in ("prefill", "decode"):
+                engine = examples[stem]["spec"]["engine"]
+                assert p["engine_kind"] == engine["kind"]
+                assert p["advertise_host"] == p["host"] == "10.1.2.3"
+                assert p["token"] == "secret-token"
+                if engine["kind"] == "sglang":
+                    assert p["sidecar"] == SOCKET and p["pd_port"] == 7300
+                    assert list(p["engine_argv"]) == engine.get("args", [])
+                    if role == "prefill":
+                        assert p["bootstrap_port"] == 8998
+                    assert p["device"] == engine.get("device", "cuda")
+            assert isinstance(ctx, click.Context)
+    sidecars = 2 if examples[stem]["spec"]["engine"]["kind"] == "sglang" else 0
+    rdma = 2 if examples[stem]["spec"].get("rdma", {}).get("enabled") else 0
+    assert parsed == 2 + sidecars + rdma
+
+
+def test_sglang_cpu_example(examples: dict[str, Obj]) -> None:
+    r = render(validate_cluster(examples["sglang-cpu"]))
+    for role, replicas in (("prefill", 2), ("decode", 1)):
+        sts = r.get("StatefulSet", f"sglang-cpu-{role}")
+        assert sts["spec"]["replicas"] == replicas
+        t = sts["spec"]["template"]
+        c = _container(t, role)
+        assert c["image"] == "mooncake-k8s:0.1.0-sglang-cpu"
+        assert c["args"][:5] == [role, "--engine", "sglang", "--device", "cpu"]
+        assert _values(c)["SGLANG_USE_CPU_ENGINE"] == "1"
+        assert _init(t, "sidecar")["restartPolicy"] == "Always"
+        assert _volume(t, "model")["persistentVolumeClaim"]["claimName"] == (
+            "smollm2-135m-instruct")
+        assert "nvidia.com/gpu" not in str(c["resources"])

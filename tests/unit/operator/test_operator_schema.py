@@ -6,8 +6,10 @@ the OpenAPI schema with jsonschema, then every `x-kubernetes-validations` rule w
 
 from __future__ import annotations
 
+import ast
 import copy
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -105,7 +107,7 @@ def test_defaulting_keeps_what_the_user_set(make_cluster: Callable[..., Obj]) ->
 
 
 def test_examples_are_valid(examples: dict[str, Obj]) -> None:
-    assert {"laptop-cpu", "gpu-rdma", "vllm-cpu"} <= set(examples)
+    assert {"laptop-cpu", "gpu-rdma", "vllm-cpu", "sglang-cpu"} <= set(examples)
     for doc in examples.values():
         validate_cluster(doc)
 
@@ -146,13 +148,25 @@ INVALID: list[tuple[str, Obj, str]] = [
      "spec.model: engine.kind vllm needs a model source (huggingFace, pvc, hostPath or image)"),
     ("vllm-args-set-the-model", {"engine": {"kind": "vllm", "args": ["--model=/m"]},
                                  "model": {"hostPath": {"path": "/m"}}},
-     "spec.engine.args: engine.args: --model, --host, --port, --served-model-name, "
-     "--block-size and --kv-transfer-config are set by the vllm worker"),
+     "spec.engine.args: engine.args: --model=/m is set by the vllm worker (use spec.model, "
+     "spec.store.blockTokens); remove it from engine.args (the worker owns --model, --host, "
+     "--port, --served-model-name, --block-size and --kv-transfer-config)"),
     ("vllm-args-set-the-block-size", {"engine": {"kind": "vllm",
                                                  "args": ["--dtype", "bfloat16",
                                                           "--block-size", "16"]},
                                       "model": {"hostPath": {"path": "/m"}}},
-     "spec.engine.args: engine.args: --model, --host"),
+     "spec.engine.args: engine.args: --block-size is set by the vllm worker"),
+    ("sglang-args-set-the-page-size", {"engine": {"kind": "sglang",
+                                                  "args": ["--tp-size", "2", "--page-size=16"]},
+                                       "model": {"hostPath": {"path": "/m"}}},
+     "spec.engine.args: engine.args: --page-size=16 is set by the sglang worker (from "
+     "spec.model, spec.store.blockTokens and the cluster token); remove it from engine.args"),
+    ("unknown-device", {"engine": {"kind": "sglang", "device": "rocm"},
+                        "model": {"hostPath": {"path": "/m"}}},
+     "spec.engine.device: 'rocm' is not one of ['cpu', 'cuda']"),
+    ("sidecar-staging-not-a-size", {"engine": {"kind": "sglang", "sidecar": {
+        "stagingSize": "lots"}}, "model": {"hostPath": {"path": "/m"}}},
+     "spec.engine.sidecar.stagingSize: 'lots' is not a size"),
     ("vllm-image-by-digest", {"image": "reg.example/mooncake-k8s@sha256:" + "0" * 64,
                               "engine": {"kind": "vllm"}, "model": {"hostPath": {"path": "/m"}}},
      "spec.engine.image: spec.image is pinned by digest, so the engine's image variant cannot"),
@@ -258,8 +272,68 @@ def test_vllm_accepts_a_model_source_and_its_own_args(make_cluster: Callable[...
                                    "roles": {"prefill": {"image": "p:1"},
                                              "decode": {"image": "d:1"}}}))
     validate_cluster(make_cluster({"image": digest}))  # embedded runs spec.image itself
-    validate_cluster(make_cluster({"engine": {"kind": "sglang", "args": ["--port", "1"]},
-                                   "model": model}))
+    # vLLM's owned flags are SGLang's own options and the other way round.
+    validate_cluster(make_cluster({"engine": {"kind": "sglang", "args": [
+        "--model", "x", "--block-size", "16", "--kv-transfer-config", "{}"]}, "model": model}))
+    validate_cluster(make_cluster({"engine": {"kind": "vllm", "args": [
+        "--model-path", "x", "--page-size", "16"]}, "model": model}))
+
+
+def _owned_flags(repo: Path, module: str) -> tuple[str, ...]:
+    """OWNED_FLAGS of a worker's engine module, read from its source (importing the SGLang one
+    imports SGLang)."""
+    tree = ast.parse((repo / "services" / "engine" / module / "server.py").read_text())
+    (value,) = [n.value for n in tree.body if isinstance(n, ast.Assign)
+                and any(isinstance(t, ast.Name) and t.id == "OWNED_FLAGS" for t in n.targets)]
+    flags: tuple[str, ...] = ast.literal_eval(value)
+    return flags
+
+
+def test_owned_flags_match_the_workers(repo: Path) -> None:
+    """The CRD rejects exactly what the worker would exit on."""
+    assert _owned_flags(repo, "vllm") == schema.VLLM_OWNED_FLAGS
+    assert _owned_flags(repo, "sglang") == schema.SGLANG_OWNED_FLAGS
+
+
+@pytest.mark.parametrize("flag", schema.SGLANG_OWNED_FLAGS)
+def test_sglang_rejects_every_flag_its_worker_owns(make_cluster: Callable[..., Obj],
+                                                   flag: str) -> None:
+    model = {"pvc": {"claimName": "weights"}}
+    for args, offending in ((["--dtype", "bfloat16", flag, "v"], flag),
+                            ([f"{flag}=v"], f"{flag}=v")):
+        with pytest.raises(InvalidResource) as err:
+            validate_cluster(make_cluster({"engine": {"kind": "sglang", "args": args},
+                                           "model": model}))
+        (msg,) = err.value.errors
+        assert msg.startswith(f"spec.engine.args: engine.args: {offending} is set by the "
+                              "sglang worker"), msg
+    # What only shares a prefix with it is SGLang's own.
+    for arg in (f"{flag}-x", f"{flag}x=1"):
+        validate_cluster(make_cluster({"engine": {"kind": "sglang", "args": [arg]},
+                                       "model": model}))
+
+
+def test_sglang_engine_rule_has_a_static_fallback_message() -> None:
+    """API servers that cannot evaluate messageExpression show the message: it names the field
+    and every owned flag."""
+    rules = schema.cluster_spec_schema()["properties"]["engine"]["x-kubernetes-validations"]
+    (r,) = [r for r in rules if "'sglang'" in r["rule"]]
+    assert r["fieldPath"] == ".args" and r["message"].startswith("engine.args: ")
+    assert all(f in r["message"] for f in schema.SGLANG_OWNED_FLAGS)
+    assert "messageExpression" in r
+
+
+def test_engine_sidecar_and_device_have_no_default(make_cluster: Callable[..., Obj]) -> None:
+    """A default there would change spec.engine, and so the serving revision, of every
+    existing cluster when the operator is upgraded."""
+    spec = validate_cluster(make_cluster({}))["spec"]
+    assert spec["engine"] == {"kind": "embedded"}
+    spec = validate_cluster(make_cluster({"engine": {"kind": "sglang", "sidecar": {}},
+                                          "model": {"pvc": {"claimName": "w"}}}))["spec"]
+    assert spec["engine"] == {"kind": "sglang", "sidecar": {"stagingSize": "256Mi"}}
+    doc = schema.cluster_spec_schema()["properties"]["engine"]["properties"]["sidecar"][
+        "description"]
+    assert "restartPolicy Always" in doc and "Kubernetes 1.29" in doc
 
 
 def test_model_source_message_names_the_engine_kind(make_cluster: Callable[..., Obj]) -> None:
