@@ -57,6 +57,10 @@ class UpConfig:
 #: eager mode (compiling on a laptop's cores takes minutes) and a short context.
 VLLM_CPU_DEFAULTS = ("--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "2048",
                      "--max-num-seqs", "16")
+#: SGLang flags `mooncake up --engine sglang` adds when none are given and no GPU is present:
+#: SGLang picks float16 for a float32 checkpoint, which a CPU without AVX512-FP16 emulates;
+#: float32 served the built-in model about 3.6x faster here (bench/sglang_compare.py).
+SGLANG_CPU_DEFAULTS = ("--dtype", "float32")
 
 
 class LocalCluster:
@@ -111,11 +115,12 @@ class LocalCluster:
         if c.engine == "embedded":
             return []
         extra = list(c.engine_args)
-        if c.engine == "vllm" and not extra and (c.device or "cpu") == "cpu":
+        defaults = {"vllm": VLLM_CPU_DEFAULTS, "sglang": SGLANG_CPU_DEFAULTS}.get(c.engine)
+        if defaults and not extra and (c.device or "cpu") == "cpu":
             import torch
 
             if not torch.cuda.is_available():
-                extra = list(VLLM_CPU_DEFAULTS)
+                extra = list(defaults)
         return ["--engine", c.engine, *(f"--engine-arg={a}" for a in extra)]
 
     def start(self) -> None:

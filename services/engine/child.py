@@ -185,8 +185,9 @@ class EngineChild:
         return self.request("GET", "/metrics", timeout=5)[1].decode()
 
     def connector_stats(self) -> dict[str, int]:
-        """Our KV plug-in's counters (vLLM connector, SGLang HiCache backend), summed over the
-        engine's processes: each writes `<stats_prefix>.<pid>.json`."""
+        """Our KV plug-ins' counters (vLLM connector, SGLang HiCache backend and transfer
+        engine), summed over the engine's processes: each plug-in in each process writes
+        `<stats_prefix>.<plug-in>-<pid>.json` (`engine.statsfile`)."""
         total: dict[str, int] = {}
         for f in self.dir.glob(f"{self.stats_prefix.name}.*.json"):
             try:

@@ -66,3 +66,25 @@ def test_vllm_flags_the_worker_owns_are_refused() -> None:
     assert owned_flag(["--dtype", "bfloat16", "--port=9"], OWNED_FLAGS) == "--port"
     assert owned_flag(["--kv-transfer-config", "{}"], OWNED_FLAGS) == "--kv-transfer-config"
     assert owned_flag(["--enforce-eager", "--max-model-len", "2048"], OWNED_FLAGS) is None
+
+
+def test_up_gives_engines_cpu_defaults_only_when_the_user_gave_none(tmp_path: object) -> None:
+    """`mooncake up --engine sglang|vllm` on a CPU box adds the flags that make the engine
+    usable there; any engine argument the user passes replaces them whole."""
+    import torch
+
+    from mooncake_k8s.up import SGLANG_CPU_DEFAULTS, VLLM_CPU_DEFAULTS, LocalCluster, UpConfig
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU defaults apply only without a GPU")
+
+    def args(**kw: object) -> list[str]:
+        return LocalCluster(UpConfig(log_dir=str(tmp_path), **kw))._engine_args()  # type: ignore[arg-type]
+
+    assert args(engine="embedded") == []
+    assert args(engine="sglang") == ["--engine", "sglang",
+                                     *(f"--engine-arg={a}" for a in SGLANG_CPU_DEFAULTS)]
+    assert "--engine-arg=--dtype" in args(engine="vllm")
+    assert len(args(engine="vllm")) == 2 + len(VLLM_CPU_DEFAULTS)
+    assert args(engine="sglang", engine_args=("--dtype", "bfloat16")) == [
+        "--engine", "sglang", "--engine-arg=--dtype", "--engine-arg=bfloat16"]

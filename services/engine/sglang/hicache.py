@@ -19,11 +19,9 @@ time, never output.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +30,8 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
 )
+
+from mooncake_k8s.engine.statsfile import stats_path, write_stats
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +71,7 @@ class MooncakeK8sHiCache(HiCacheStorage):  # type: ignore[misc]
         self._lock = threading.Lock()
         self._stats = {"exists_queries": 0, "exists_hits": 0, "pages_loaded": 0,
                        "pages_missed": 0, "pages_saved": 0, "save_failed": 0}
-        stats_prefix = extra.get("stats_prefix")
-        self._stats_file = (Path(f"{stats_prefix}.{os.getpid()}.json") if stats_prefix
-                            else None)
+        self._stats_file = stats_path(extra.get("stats_prefix"), "hicache")
 
     # -- stats (the worker sums the files of SGLang's processes, as for vLLM) ---------------
 
@@ -83,10 +81,7 @@ class MooncakeK8sHiCache(HiCacheStorage):  # type: ignore[misc]
         with self._lock:
             for k, v in inc.items():
                 self._stats[k] += v
-            if self._stats_file is not None:
-                tmp = self._stats_file.with_suffix(".tmp")
-                tmp.write_text(json.dumps(self._stats))
-                os.replace(tmp, self._stats_file)
+            write_stats(self._stats_file, self._stats)
 
     # -- keys and memory ---------------------------------------------------------------------
 

@@ -19,14 +19,13 @@ Configuration comes from the environment the worker gives SGLang: `MOONCAKE_CLUS
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
-from pathlib import Path
 from typing import Any
 
 from mooncake_k8s.common.errors import MooncakeError
+from mooncake_k8s.engine.statsfile import stats_path, write_stats
 from mooncake_k8s.transfer.engine import TransferEngine
 from mooncake_k8s.transfer.ops import Peer
 from mooncake_k8s.transfer.regions import RegionTable, RegionWriter
@@ -35,7 +34,7 @@ from mooncake_k8s.transfer.tcp_server import TransferServer
 log = logging.getLogger(__name__)
 
 _stats_lock = threading.Lock()
-#: What this process moved; written to `$MOONCAKE_PD_STATS.<pid>.json` after each batch (a few
+#: What this process moved; written to `$MOONCAKE_PD_STATS.pd-<pid>.json` after each batch (a few
 #: per request) for the worker to export, as the HiCache backend's counters are.
 STATS: dict[str, int] = {"pd_batches": 0, "pd_bytes": 0, "pd_failed": 0}
 
@@ -44,13 +43,7 @@ def _count(**inc: int) -> None:
     with _stats_lock:
         for k, v in inc.items():
             STATS[k] += v
-        snap = json.dumps(STATS)
-        prefix = os.environ.get("MOONCAKE_PD_STATS")
-        if prefix:
-            path = Path(f"{prefix}.{os.getpid()}.json")
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(snap)
-            os.replace(tmp, path)
+        write_stats(stats_path(os.environ.get("MOONCAKE_PD_STATS"), "pd"), STATS)
 
 
 class OurTransferEngine:

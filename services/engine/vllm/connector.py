@@ -51,6 +51,7 @@ from mooncake_k8s.common.blocks import (
     encode_header,
 )
 from mooncake_k8s.common.errors import IntegrityError, MooncakeError, ObjectExists
+from mooncake_k8s.engine.statsfile import stats_path, write_stats
 from mooncake_k8s.engine.vllm.kvlayout import PagedKV, UnsupportedLayout, dtype_name
 from mooncake_k8s.engine.vllm.spin import limit_idle_spin
 
@@ -132,8 +133,9 @@ class MooncakeK8sConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._store: Any = None
         self._store_lock = threading.Lock()
         self._stats: dict[str, int] = {}
-        prefix = extra.get("stats_prefix")
-        self._stats_file = f"{prefix}.{os.getpid()}.json" if prefix else None
+        self._stats_file = stats_path(extra.get("stats_prefix"),
+                                      "scheduler" if role == KVConnectorRole.SCHEDULER
+                                      else "worker")
         if role == KVConnectorRole.SCHEDULER:
             self._reqs: dict[str, _Req] = {}
             self._stats.update(lookups=0, planned=0)
@@ -394,10 +396,4 @@ class MooncakeK8sConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _flush_stats(self) -> None:
         """Counters for the worker process that started vLLM (it exports them as metrics):
         one small file per vLLM process, replaced whole."""
-        if not self._stats_file:
-            return
-        tmp = f"{self._stats_file}.{os.getpid()}.tmp"
-        with contextlib.suppress(OSError):
-            with open(tmp, "w") as f:
-                json.dump(self._stats, f)
-            os.replace(tmp, self._stats_file)
+        write_stats(self._stats_file, self._stats)

@@ -119,3 +119,21 @@ def test_cpu_stand_ins_fail_loudly_when_called() -> None:
                          "PYTHONPATH": str(CPU_PATH)}, capture_output=True, text=True,
                          timeout=60, check=True)
     assert "loud: sgl_kernel.kvcacheio.transfer_kv_all_layer is not available" in out.stdout
+
+
+@pytest.mark.skipif(not HAVE_SGLANG, reason="SGLang is not installed")
+def test_cpu_shims_find_what_they_replace_and_relax_the_host_reserve() -> None:
+    """Against the installed SGLang: every symbol the shims touch exists (an upgrade that moves
+    one fails here and at SGLang's start, not at the first request), and the host-pool reserve
+    follows MOONCAKE_SGLANG_HOST_RESERVE_MIB."""
+    code = ("from mooncake_k8s.engine.sglang import cpushims\n"
+            "assert cpushims.check() == [], cpushims.check()\n"
+            "cpushims.apply()\n"
+            "import sglang.srt.mem_cache.pool_host.base as b\n"
+            "print(b.HICACHE_HOST_MEMORY_RESERVE_BYTES)\n")
+    out = subprocess.run([sys.executable, "-c", code], env={
+        **os.environ, "PYTHONPATH": str(CPU_PATH), "SGLANG_USE_CPU_ENGINE": "1",
+        "MOONCAKE_SGLANG_HOST_RESERVE_MIB": "300"}, capture_output=True, text=True,
+        timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == str(300 << 20)
