@@ -16,17 +16,23 @@ the private SGLang symbol it touches, so an SGLang upgrade that moves it fails l
    the host pool equal to it (`--hicache-ratio 1`, 0.76 GiB for the built-in model); with a
    few engines loading on a 24 GiB machine the 10 GiB rule refused that pool at random. The
    reserve is `MOONCAKE_SGLANG_HOST_RESERVE_MIB` (default 1024).
+5. A scheduler with no batch to run but work in flight (a decode waiting for its KV, a prefill
+   whose KV is still being sent or backed up) loops with `time.sleep(0)`: on a GPU box a spare
+   core; on a small CPU box it takes a core from the process computing that very KV. It naps
+   `MOONCAKE_SGLANG_WAIT_POLL_MS` (default 1; 0 keeps SGLang's spin) per pass instead.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
 
 HOST_REGISTER = "sglang.srt.mem_cache.pool_host.common._cuda_host_register"
 HOST_RESERVE = "sglang.srt.mem_cache.pool_host.base.HICACHE_HOST_MEMORY_RESERVE_BYTES"
+ON_IDLE = "sglang.srt.managers.scheduler.Scheduler.on_idle"
 DEFAULT_HOST_RESERVE_MIB = 1024
 
 
@@ -64,20 +70,32 @@ def apply() -> None:
 
     mib = int(os.environ.get("MOONCAKE_SGLANG_HOST_RESERVE_MIB", DEFAULT_HOST_RESERVE_MIB))
     pool_base.HICACHE_HOST_MEMORY_RESERVE_BYTES = mib << 20
+    nap = float(os.environ.get("MOONCAKE_SGLANG_WAIT_POLL_MS", "1")) / 1000
+    if nap > 0:
+        HookRegistry.register(ON_IDLE, _napping(nap), HookType.AROUND)
+
+
+def _napping(nap_s: float) -> Any:
+    def on_idle(original: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(scheduler, *args, **kwargs)
+        if not scheduler.is_fully_idle():  # SGLang returned after sleep(0): work in flight
+            time.sleep(nap_s)
+        return out
+
+    return on_idle
 
 
 def check() -> list[str]:
     """The SGLang symbols these shims depend on that are missing (empty: all there)."""
-    import importlib
+    import pkgutil
 
     missing = []
-    for dotted in (HOST_REGISTER, HOST_RESERVE,
+    for dotted in (HOST_REGISTER, HOST_RESERVE, ON_IDLE,
+                   "sglang.srt.managers.scheduler.Scheduler.is_fully_idle",
                    "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender",
                    "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost"):
-        mod, _, name = dotted.rpartition(".")
         try:
-            if not hasattr(importlib.import_module(mod), name):
-                missing.append(dotted)
-        except ImportError:
+            pkgutil.resolve_name(dotted)
+        except (ImportError, AttributeError, ValueError):
             missing.append(dotted)
     return missing

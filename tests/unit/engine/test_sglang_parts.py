@@ -124,11 +124,16 @@ def test_cpu_stand_ins_fail_loudly_when_called() -> None:
 @pytest.mark.skipif(not HAVE_SGLANG, reason="SGLang is not installed")
 def test_cpu_shims_find_what_they_replace_and_relax_the_host_reserve() -> None:
     """Against the installed SGLang: every symbol the shims touch exists (an upgrade that moves
-    one fails here and at SGLang's start, not at the first request), and the host-pool reserve
-    follows MOONCAKE_SGLANG_HOST_RESERVE_MIB."""
-    code = ("from mooncake_k8s.engine.sglang import cpushims\n"
+    one fails here and at SGLang's start, not at the first request), the host-pool reserve
+    follows MOONCAKE_SGLANG_HOST_RESERVE_MIB, and the scheduler's wait loop naps."""
+    code = ("from sglang.srt.managers.scheduler import Scheduler\n"
+            "native = [Scheduler.on_idle]  # in a list: SGLang re-points module-level names\n"
+            "from mooncake_k8s.engine.sglang import cpushims\n"
             "assert cpushims.check() == [], cpushims.check()\n"
             "cpushims.apply()\n"
+            "from sglang.srt.plugins.hook_registry import HookRegistry\n"
+            "HookRegistry.apply_hooks()\n"
+            "assert Scheduler.on_idle.__wrapped__ is native[0], 'the wait-poll nap is missing'\n"
             "import sglang.srt.mem_cache.pool_host.base as b\n"
             "print(b.HICACHE_HOST_MEMORY_RESERVE_BYTES)\n")
     out = subprocess.run([sys.executable, "-c", code], env={
