@@ -2,7 +2,8 @@
 
 Per peer: `shm` when the peer shares our shared-memory domain (same `host_id`) and its segment
 files can be mapped, else `tcp`. A failed mapping falls back to TCP for that peer (logged once)
-until `forget(peer)`. RDMA is detected and reported (`rdma_status()`), never used yet.
+until `forget(peer)`. RDMA is detected and reported (`rdma_status()`), never used: `rdma`
+asked for explicitly fails with the reason (no RDMA data path exists).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Peer", "ReadOp", "TransferEngine", "WriteOp"]
 
-TRANSPORTS = ("auto", "shm", "tcp")
+TRANSPORTS = ("auto", "shm", "tcp", "rdma")
 
 _rdma_lock = threading.Lock()
 _rdma: RdmaStatus | None = None
@@ -78,6 +79,17 @@ class TransferEngine:
         self._shm_failed: set[str] = set()
         self._closed = False
         self._rdma = _rdma_status()
+        if transport == "rdma":
+            # Asked for explicitly: refuse at construction, never fall back silently to TCP.
+            # "auto" never selects RDMA: no RDMA data path exists (untested, no device here).
+            if not self._rdma.available:
+                raise InvalidArgument(
+                    f"transport 'rdma' asked for but unavailable: {self._rdma.reason}"
+                )
+            raise InvalidArgument(
+                f"transport 'rdma' asked for: {self._rdma.reason}, but the RDMA data path is "
+                "not implemented; use 'auto' or 'tcp'"
+            )
 
     def rdma_status(self) -> RdmaStatus:
         return self._rdma
