@@ -175,24 +175,30 @@ def _pct(values: list[float], p: float) -> float | None:
     return float(np.percentile(values, p))
 
 
-def summarise(name: str, res: dict[str, list[RequestOutput]], seconds: float,
-              pool_loaded: float | None) -> dict[str, Any]:
+def ttft_summary(res: dict[str, list[RequestOutput]]) -> dict[str, Any]:
+    """What every engine comparison reports of the shared-prefix and unique phases: failures,
+    TTFT percentiles (ms) of colds, repeats and unique prompts, repeat/cold, repeat hit rate."""
     def ttfts(kind: str) -> list[float]:
         return [r.ttft * 1e3 for r in res[kind] if r.success]
 
-    failed = sum(not r.success for rs in res.values() for r in rs)
     reps = [r for r in res["repeat"] if r.success]
-    hit = (statistics.mean((r.cached_tokens or 0) / r.prompt_len for r in reps)
-           if reps else None)
     cold, rep, uniq = ttfts("cold"), ttfts("repeat"), ttfts("unique")
+    return {
+        "failed": sum(not r.success for rs in res.values() for r in rs),
+        "cold_ttft_p50_ms": _pct(cold, 50), "cold_ttft_p99_ms": _pct(cold, 99),
+        "repeat_ttft_p50_ms": _pct(rep, 50), "repeat_ttft_p99_ms": _pct(rep, 99),
+        "repeat_over_cold": (_pct(rep, 50) or 0) / (_pct(cold, 50) or 1) if cold else None,
+        "repeat_hit_rate": (statistics.mean((r.cached_tokens or 0) / r.prompt_len for r in reps)
+                            if reps else None),
+        "unique_ttft_p50_ms": _pct(uniq, 50), "unique_ttft_p99_ms": _pct(uniq, 99),
+    }
+
+
+def summarise(name: str, res: dict[str, list[RequestOutput]], seconds: float,
+              pool_loaded: float | None) -> dict[str, Any]:
     tokens = sum(r.output_tokens for rs in res.values() for r in rs if r.success)
     return {
-        "target": name, "failed": failed,
-        "cold_ttft_p50_ms": _pct(cold, 50), "repeat_ttft_p50_ms": _pct(rep, 50),
-        "repeat_ttft_p99_ms": _pct(rep, 99),
-        "repeat_over_cold": (_pct(rep, 50) or 0) / (_pct(cold, 50) or 1) if cold else None,
-        "repeat_hit_rate": hit, "pool_loaded_blocks": pool_loaded,
-        "unique_ttft_p50_ms": _pct(uniq, 50), "unique_ttft_p99_ms": _pct(uniq, 99),
+        "target": name, **ttft_summary(res), "pool_loaded_blocks": pool_loaded,
         "output_tok_s": tokens / seconds if seconds else None,
         "requests": {k: [r.to_json() for r in v] for k, v in res.items()},
     }

@@ -39,7 +39,6 @@ import os
 import platform
 import secrets
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -57,7 +56,7 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from bench.engine_compare import VOCAB_HI, VOCAB_LO, _pct, workload
+from bench.engine_compare import VOCAB_HI, VOCAB_LO, ttft_summary, workload
 from bench.serve.client import ApiConfig, RequestOutput, RequestSpec, send
 from bench.serve.load import new_session
 from bench.serve.report import fmt, table
@@ -208,29 +207,16 @@ async def _run(urls: list[str], pairs: list[list[RequestSpec]], uniq: list[Reque
 
 def summarise(name: str, res: dict[str, list[RequestOutput]], burst_s: float,
               pool: dict[str, float] | None) -> dict[str, Any]:
-    def ttfts(kind: str) -> list[float]:
-        return [r.ttft * 1e3 for r in res[kind] if r.success]
-
-    failed = sum(not r.success for rs in res.values() for r in rs)
-    reps = [r for r in res["repeat"] if r.success]
-    hit = (statistics.mean((r.cached_tokens or 0) / r.prompt_len for r in reps)
-           if reps else None)
-    cold, rep, uniq = ttfts("cold"), ttfts("repeat"), ttfts("unique")
     burst = [r for r in res["burst"] if r.success]
     out_tok = sum(r.output_tokens for r in burst)
     all_tok = out_tok + sum(r.prompt_len for r in burst)
     loaded = pool["loaded"] if pool else None
-    rep_tokens = sum(r.prompt_len for r in reps)
+    rep_tokens = sum(r.prompt_len for r in res["repeat"] if r.success)
     return {
-        "target": name, "failed": failed,
-        "cold_ttft_p50_ms": _pct(cold, 50), "cold_ttft_p99_ms": _pct(cold, 99),
-        "repeat_ttft_p50_ms": _pct(rep, 50), "repeat_ttft_p99_ms": _pct(rep, 99),
-        "repeat_over_cold": (_pct(rep, 50) or 0) / (_pct(cold, 50) or 1) if cold else None,
-        "repeat_hit_rate": hit,
+        "target": name, **ttft_summary(res),
         "pool_pages_loaded": loaded,
         "pool_hit_rate": loaded * PAGE / rep_tokens if loaded is not None and rep_tokens else None,
         "pool_pages": pool,
-        "unique_ttft_p50_ms": _pct(uniq, 50), "unique_ttft_p99_ms": _pct(uniq, 99),
         "burst_s": burst_s, "burst_tok_s": all_tok / burst_s if burst_s and burst else None,
         "burst_out_tok_s": out_tok / burst_s if burst_s and burst else None,
         "requests": {k: [r.to_json() for r in v] for k, v in res.items()},
