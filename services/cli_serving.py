@@ -14,7 +14,14 @@ from typing import Any, TypeVar
 
 import click
 
-from mooncake_k8s.cliopts import SIZE, _check_bind, _token_opt, _warn_no_token, _with_logs
+from mooncake_k8s.cliopts import (
+    MASTERS,
+    SIZE,
+    _check_bind,
+    _token_opt,
+    _warn_no_token,
+    _with_logs,
+)
 
 _host_opts = [
     click.option("--host", envvar="MOONCAKE_HOST", default="127.0.0.1", show_default=True,
@@ -38,7 +45,7 @@ _model_opts = [
                  type=click.IntRange(1, 1024), help="CPU threads for the engine."),
 ]
 _worker_opts = [
-    click.option("--master", envvar="MOONCAKE_MASTER", default="127.0.0.1:50051",
+    click.option("--master", envvar="MOONCAKE_MASTER", type=MASTERS, default="127.0.0.1:50051",
                  show_default=True, show_envvar=True, help="Store master address."),
     click.option("--engine", "engine_kind", envvar="MOONCAKE_ENGINE", default="embedded",
                  show_default=True, show_envvar=True,
@@ -222,7 +229,7 @@ _sched_opts = [
               help="Prefill instances: host:port,host:port or dns:SERVICE:PORT.")
 @click.option("--decode", "decode_spec", envvar="MOONCAKE_DECODE", required=True,
               show_envvar=True, help="Decode instances, same forms as --prefill.")
-@click.option("--master", envvar="MOONCAKE_MASTER", default="127.0.0.1:50051",
+@click.option("--master", envvar="MOONCAKE_MASTER", type=MASTERS, default="127.0.0.1:50051",
               show_default=True, show_envvar=True, help="Store master (prefix lookups).")
 @click.option("--api-keys-file", envvar="MOONCAKE_API_KEYS_FILE", default=None,
               show_envvar=True, type=click.Path(exists=True, dir_okay=False),

@@ -30,20 +30,24 @@ from prometheus_client import Histogram
 from mooncake_k8s.common.auth import METADATA_KEY, token_matches
 from mooncake_k8s.common.errors import InvalidArgument, NoSpace, ObjectTooLarge, StoreError
 from mooncake_k8s.common.rpc import store_pb2 as pb
+from mooncake_k8s.store.masterlink import EPOCH_KEY, LEADER_KEY, RECOVERING_KEY, STANDBY_KEY
 from mooncake_k8s.store.metadata import MasterState, PutNotFound, PutSuperseded, UnknownNode
 from mooncake_k8s.store.recovery import RecoveryGate
 
 if TYPE_CHECKING:
+    from mooncake_k8s.store.ha import RedisCoordinator
     from mooncake_k8s.store.master import MasterConfig
 
 log = logging.getLogger(__name__)
 
 SERVICE = "mooncake.store.v1.Master"
-RECOVERING_KEY = "mooncake-recovering"
-"""Trailing metadata on an UNAVAILABLE that the master sent on purpose while it rebuilds: the
-call did nothing, so even a put may be retried."""
+# RECOVERING_KEY: trailing metadata on an UNAVAILABLE that the master sent on purpose while it
+# rebuilds: the call did nothing, so even a put may be retried. STANDBY_KEY (with LEADER_KEY):
+# the same from a standby master of an HA group.
 _OFF_LOOP = frozenset({"RegisterNode"})
 """Unary calls run on the executor instead of the event loop (see the module docstring)."""
+_OFF_LOOP_HA = _OFF_LOOP | {"PutEnd", "BatchPutEnd", "Remove", "Pin"}
+"""With Redis HA these also write to Redis before they answer: kept off the loop too."""
 
 
 class _Abort(Exception):
@@ -108,12 +112,34 @@ class MasterServicer:
 
     def __init__(
         self, state: MasterState, config: MasterConfig, stopping: threading.Event,
-        gate: RecoveryGate,
+        gate: RecoveryGate, ha: RedisCoordinator | None = None,
     ) -> None:
         self.state = state
         self.config = config
         self._stopping = stopping
         self.gate = gate
+        self.ha = ha
+        self.pins: set[str] = set()
+        """Keys pinned in Redis (HA): pinned again whenever their node registers."""
+
+    def _durable(self, keys: list[str], what: str) -> None:
+        """HA: journal the committed replicas of `keys` before the put is acknowledged; if
+        that fails the commit is undone (the writer puts again), so nothing acknowledged
+        depends on this leader's memory alone."""
+        if self.ha is None or not keys:
+            return
+        from mooncake_k8s.store.ha import JournalEntry
+
+        try:
+            self.ha.journal_commits(
+                JournalEntry(n, inc, item) for n, inc, item in self.state.replica_records(keys))
+        except Exception as e:
+            self.state.remove(keys, force=True)
+            log.warning("commit not journaled; undone", extra={"keys": len(keys),
+                                                                "error": type(e).__name__})
+            raise _Abort(grpc.StatusCode.UNAVAILABLE,
+                         f"{what}: the master could not record the commit durably ({e}); "
+                         "put again", ((STANDBY_KEY, "1"),)) from e
 
     def _authoritative(self) -> None:
         """Refuse (UNAVAILABLE, retryable) while a restarted master is still rebuilding."""
@@ -124,10 +150,13 @@ class MasterServicer:
     # -- nodes -----------------------------------------------------------------------------
 
     def RegisterNode(self, req: pb.RegisterNodeRequest, ctx: Any) -> pb.RegisterNodeResponse:
+        journal = self.ha.journal_for(req.node_id, req.incarnation) if self.ha else []
         reg = self.state.register_node(
             req.node_id, req.address, req.host_id, list(req.segments), list(req.inventory),
-            req.incarnation,
+            req.incarnation, journal,
         )
+        if self.pins:
+            self.state.pin(list(self.pins))
         self.gate.registered(req.node_id)
         return pb.RegisterNodeResponse(
             master_id=self.state.master_id,
@@ -174,6 +203,7 @@ class MasterServicer:
 
     def PutEnd(self, req: pb.PutEndRequest, ctx: Any) -> pb.PutEndResponse:
         self.state.put_end(req.key, req.put_id, req.checksum)
+        self._durable([req.key], f"put {req.key!r}")
         return pb.PutEndResponse()
 
     def PutRevoke(self, req: pb.PutRevokeRequest, ctx: Any) -> pb.PutRevokeResponse:
@@ -185,7 +215,10 @@ class MasterServicer:
         return pb.BatchPutStartResponse(results=self.state.batch_put_start(req.items))
 
     def BatchPutEnd(self, req: pb.BatchPutEndRequest, ctx: Any) -> pb.BatchPutEndResponse:
-        return self.state.batch_put_end(req.items)
+        resp = self.state.batch_put_end(req.items)
+        self._durable([it.key for it, err in zip(req.items, resp.errors, strict=False)
+                       if not err], f"batch of {len(req.items)} puts")
+        return resp
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -204,10 +237,19 @@ class MasterServicer:
 
     def Remove(self, req: pb.RemoveRequest, ctx: Any) -> pb.RemoveResponse:
         self._authoritative()
-        return pb.RemoveResponse(removed=self.state.remove(req.keys, req.force))
+        records = self.state.replica_records(req.keys) if self.ha else []
+        removed = self.state.remove(req.keys, req.force)
+        if self.ha is not None and records:
+            from mooncake_k8s.store.ha import JournalEntry
+
+            self.ha.journal_forget(JournalEntry(n, inc, item) for n, inc, item in records)
+        return pb.RemoveResponse(removed=removed)
 
     def Pin(self, req: pb.PinRequest, ctx: Any) -> pb.PinResponse:
         self._authoritative()
+        if self.ha is not None:
+            self.ha.save_pins(req.keys, req.pin)  # first: a failover must not lose a pin
+            (self.pins.update if req.pin else self.pins.difference_update)(req.keys)
         return pb.PinResponse(ok=self.state.pin(req.keys, req.pin))
 
     async def Watch(self, req: pb.WatchRequest, ctx: Any) -> AsyncIterator[pb.BlockEvent]:
@@ -274,6 +316,24 @@ class Handlers:
         self._token = token
         self._rpc_seconds = rpc_seconds
         self._stopping = stopping
+        self._ha = servicer.ha
+        self._off_loop = _OFF_LOOP_HA if self._ha is not None else _OFF_LOOP
+
+    def _not_leader(self) -> _Abort | None:
+        """With Redis HA, the refusal a standby (or deposed leader) answers; else None."""
+        ha = self._ha
+        if ha is None or ha.is_leader:
+            return None
+        if ha.deposed.is_set():
+            why = f"this master lost its leadership ({ha.deposed_reason}) and is exiting"
+        else:
+            why = "this master is a standby"
+        hint = ha.leader_hint()
+        trailers: tuple[tuple[str, str], ...] = ((STANDBY_KEY, "1"),)
+        if hint:
+            trailers += ((LEADER_KEY, hint),)
+            why += f"; the leader is at {hint}"
+        return _Abort(grpc.StatusCode.UNAVAILABLE, why + "; retry there", trailers)
 
     def _authorized(self, ctx: Any) -> bool:
         if not self._token:
@@ -287,18 +347,31 @@ class Handlers:
     def _unary(self, name: str) -> Callable[[Any, Any], Any]:
         method = getattr(self._servicer, name)
         timer = self._rpc_seconds.labels(name)
-        off_loop = name in _OFF_LOOP
+        off_loop = name in self._off_loop
+        ha = self._ha
 
         async def handler(req: Any, ctx: Any) -> Any:
             if not self._authorized(ctx):
                 await ctx.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
             start = time.perf_counter()
             try:
+                refusal = self._not_leader()
+                if refusal is not None:
+                    raise refusal
                 if off_loop:
-                    return await asyncio.get_running_loop().run_in_executor(
+                    resp = await asyncio.get_running_loop().run_in_executor(
                         None, method, req, ctx
                     )
-                return method(req, ctx)
+                else:
+                    resp = method(req, ctx)
+                if ha is not None:
+                    # The fencing token, checked again after the work: a leader deposed
+                    # meanwhile must not answer (clients drop answers from older epochs).
+                    refusal = self._not_leader()
+                    if refusal is not None:
+                        raise refusal
+                    ctx.set_trailing_metadata(((EPOCH_KEY, str(ha.epoch)),))
+                return resp
             except Exception as e:  # mapped to a status; nothing kills the server
                 code, msg = _status_of(e)
                 if code == grpc.StatusCode.INTERNAL:
@@ -318,11 +391,16 @@ class Handlers:
             if not self._authorized(ctx):
                 await ctx.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
             try:
+                refusal = self._not_leader()
+                if refusal is not None:
+                    raise refusal
                 async for item in method(req, ctx):
                     yield item
                 return
             except Exception as e:  # CancelledError (client gone) is not an Exception
                 code, msg = _status_of(e)
+                if isinstance(e, _Abort) and e.trailers:
+                    ctx.set_trailing_metadata(e.trailers)
                 if code == grpc.StatusCode.INTERNAL:
                     if self._stopping.is_set():
                         return

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -227,3 +228,94 @@ def store_cluster(
         for i in range(nodes):
             cluster.start_node(f"n{i}", dram_size)
         yield cluster
+
+
+class RedisServer:
+    """A throwaway redis-server on loopback (no persistence) for HA tests and benchmarks."""
+
+    def __init__(self, workdir: Path, binary: str = "redis-server") -> None:
+        self.port = free_port()
+        self.log_path = workdir / "redis.log"
+        with open(self.log_path, "ab") as log:
+            self.popen = subprocess.Popen(
+                [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+                 "--appendonly", "no", "--dir", str(workdir)],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(
+                    ("127.0.0.1", self.port), timeout=0.2):
+                return
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"redis-server did not start:\n{self.log_path.read_text()[-2000:]}")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        self.popen.wait(timeout=10)
+
+
+@dataclass
+class HaStoreCluster(StoreCluster):
+    """Several masters on one real Redis (`--metadata-backend redis`); nodes and clients are
+    given the list of all masters. `master` is whichever was found leading last."""
+
+    redis: RedisServer | None = None
+    masters: dict[str, Proc] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+    lease_ms: int = 1000
+
+    def __post_init__(self) -> None:
+        self.master_state = False
+        self.redis = RedisServer(self.workdir)
+
+    @property
+    def master_address(self) -> str:
+        return ",".join(f"127.0.0.1:{p}" for p in self.ports.values())
+
+    def start_masters(self, names: tuple[str, ...] = ("m0", "m1")) -> None:
+        for name in names:
+            self.ports[name] = free_port()
+        for name in names:
+            self.start_ha_master(name)
+        self.wait_master()
+
+    def start_ha_master(self, name: str) -> Proc:
+        """Start (or restart after it exited) master `name` on its port."""
+        assert self.redis is not None
+        mport = free_port()
+        args = ["master", "--port", str(self.ports[name]), "--metrics-port", str(mport),
+                "--metadata-backend", "redis", "--redis-url", self.redis.url,
+                "--ha-lease-ms", str(self.lease_ms), *self.master_args]
+        proc = self.masters[name] = self._spawn(name, args, mport)
+        return proc
+
+    def leader(self, timeout: float = 30.0) -> tuple[str, Proc]:
+        """The master that reports itself leader now (waits for one)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for name, proc in self.masters.items():
+                if not proc.alive():
+                    continue
+                with contextlib.suppress(OSError):
+                    if metric_value(proc.metrics(), "mooncake_master_leader") == 1:
+                        return name, proc
+            time.sleep(0.05)
+        raise TimeoutError(f"no master leads within {timeout}s")
+
+    def __enter__(self) -> HaStoreCluster:
+        return self
+
+    def stop(self) -> None:
+        for proc in [*self.nodes.values(), *self.masters.values()]:
+            if proc.alive():
+                self.kill(proc, signal.SIGTERM)
+        self.master = None
+        if self.redis is not None:
+            self.redis.stop()
