@@ -64,9 +64,17 @@ class Ctx:
         self.spec = spec
         self.serving_revision = serving_revision
         domain = spec["clusterDomain"]
-        self.master_addr = (
-            f"{naming.service_fqdn(naming.name(cluster, 'master'), namespace, domain)}:"
-            f"{naming.PORTS['master']['grpc']}")
+        svc = naming.service_fqdn(naming.name(cluster, 'master'), namespace, domain)
+        port = naming.PORTS['master']['grpc']
+        masters = int(spec["roles"]["master"]["replicas"])
+        self.master_svc = svc
+        if masters > 1:
+            # HA (metadataBackend redis): every master by its stable StatefulSet pod name;
+            # clients and nodes follow whichever leads (store.masterlink).
+            self.master_addr = ",".join(
+                f"{naming.name(cluster, 'master')}-{i}.{svc}:{port}" for i in range(masters))
+        else:
+            self.master_addr = f"{svc}:{port}"
         self.domain = domain
 
     def image(self, role: str) -> str:
@@ -345,7 +353,12 @@ def _role_env(ctx: Ctx, role: str) -> tuple[list[Obj], list[str]]:
             ref = backend["redisUrlSecret"]
             env += [_env("MOONCAKE_METADATA_BACKEND", "redis"),
                     {"name": "MOONCAKE_REDIS_URL", "valueFrom": {"secretKeyRef": {
-                        "name": ref["name"], "key": ref["key"]}}}]
+                        "name": ref["name"], "key": ref["key"]}}},
+                    # The leader address standbys hand out: this pod's stable name.
+                    _env("MOONCAKE_MASTER_ADVERTISE",
+                         f"$(MOONCAKE_POD_NAME).{ctx.master_svc}:{p['grpc']}"),
+                    # One Redis may serve several clusters: keys are per cluster.
+                    _env("MOONCAKE_HA_PREFIX", f"mooncake:{ctx.namespace}:{ctx.cluster}")]
         return env, ["store", "master"]
     if role == "store":
         env = [_env("MOONCAKE_MASTER", ctx.master_addr),
@@ -529,7 +542,8 @@ def _sidecar(ctx: Ctx, role: str) -> Obj:
         "args": ["sidecar", "--socket", SIDECAR_SOCKET, "--master", ctx.master_addr,
                  "--staging-size", str(staging)],
         "env": [ctx.token_env(), _env("MOONCAKE_LOG_LEVEL", spec["logLevel"]),
-                _env("MOONCAKE_LOG_FORMAT", spec["logFormat"]), _env("HOME", "/tmp")],
+                _env("MOONCAKE_LOG_FORMAT", spec["logFormat"]), _env("HOME", "/tmp"),
+                _env("MOONCAKE_STORE_REPLICAS", spec["store"]["replicationFactor"])],
         "volumeMounts": [{"name": "run", "mountPath": SIDECAR_DIR},
                          {"name": "dshm", "mountPath": "/dev/shm"},
                          {"name": "tmp", "mountPath": "/tmp"}],

@@ -71,6 +71,10 @@ _worker_opts = [
                  help="Deployment revision; the Conductor pairs prefill and decode of one."),
     click.option("--transfer-protocol", envvar="MOONCAKE_TRANSFER_PROTOCOL", default="auto",
                  show_default=True, show_envvar=True, type=click.Choice(["auto", "rdma", "tcp"])),
+    click.option("--store-replicas", envvar="MOONCAKE_STORE_REPLICAS", default=1,
+                 show_default=True, show_envvar=True, type=click.IntRange(1, 8),
+                 help="Copies of each KV block written to the pool (on distinct nodes): more "
+                      "survive node loss, at the cost of capacity and write time."),
     click.option("--max-batch", envvar="MOONCAKE_MAX_BATCH", default=32, show_default=True,
                  show_envvar=True, type=click.IntRange(1, 4096)),
     click.option("--sidecar", envvar="MOONCAKE_SIDECAR", default="", show_envvar=True,
@@ -142,6 +146,9 @@ def _worker(role: str, o: dict[str, Any], **extra: Any) -> None:
             raise click.UsageError(f"{bad} is set by the worker for --engine {kind}; use the "
                                    "worker's own option instead")
     transport = "tcp" if o["transfer_protocol"] == "tcp" else "auto"
+    # Every writer in this worker, including an engine's plug-in in its child process, reads
+    # the copies per block from here (`StoreClient`'s default).
+    os.environ["MOONCAKE_STORE_REPLICAS"] = str(o["store_replicas"])
     from mooncake_k8s.common.logs import setup_logging
     from mooncake_k8s.common.tracing import setup_tracing
     from mooncake_k8s.worker.base import WorkerConfig

@@ -29,6 +29,7 @@ is still verified on every read.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -128,6 +129,9 @@ class StoreClient:
     every get ask the master. `master` is one address or a comma-separated list of them (the
     masters of an HA pair); with several, `master_attempt_s` bounds each attempt on one of them.
     `timeout_s` bounds a whole call (master retries included);
+    `replicas` is the copies a put makes unless it says otherwise; by default
+    MOONCAKE_STORE_REPLICAS (what the operator renders from `store.replicationFactor`, so it
+    reaches the engines' plug-ins in their child processes too) or 1.
     `attempt_timeout_s` bounds one transfer attempt against one replica's node without
     progress, and `suspect_s` is how long a node that failed one is read last.
     """
@@ -148,6 +152,7 @@ class StoreClient:
         verify: bool = True,
         host_id: str | None = None,
         master_attempt_s: float = 2.0,
+        replicas: int | None = None,
     ) -> None:
         if transport not in ("auto", "shm", "tcp"):
             raise InvalidArgument(f"transport must be auto, shm or tcp, not {transport!r}")
@@ -157,6 +162,9 @@ class StoreClient:
             )
         if suspect_s < 0:
             raise InvalidArgument(f"suspect_s must be >= 0, got {suspect_s}")
+        self.replicas = default_replicas() if replicas is None else replicas
+        if not 1 <= self.replicas <= 8:
+            raise InvalidArgument(f"replicas must be 1..8, got {self.replicas}")
         self._health = PeerHealth(suspect_s)
         self._host_id = host_id or local_host_id()
         self._md = auth.call_metadata(token)
@@ -212,11 +220,12 @@ class StoreClient:
         key: str,
         data: Any,
         *,
-        replicas: int = 1,
+        replicas: int | None = None,
         placement: str = "local_first",
         preferred_segment: str | None = None,
     ) -> None:
-        """Store `data` under `key`; raises ObjectExists if the key is already stored."""
+        """Store `data` under `key`; raises ObjectExists if the key is already stored.
+        `replicas` defaults to the client's (`replicas` at construction)."""
         err = self.batch_put(
             [key], [data], replicas=replicas, placement=placement,
             preferred_segment=preferred_segment,
@@ -229,7 +238,7 @@ class StoreClient:
         keys: Sequence[str],
         datas: Sequence[Any],
         *,
-        replicas: int = 1,
+        replicas: int | None = None,
         placement: str = "local_first",
         preferred_segment: str | None = None,
     ) -> list[Exception | None]:
@@ -237,6 +246,7 @@ class StoreClient:
         if len(keys) != len(datas):
             raise InvalidArgument("keys and datas differ in length")
         views = [byte_view(d) for d in datas]
+        replicas = self.replicas if replicas is None else replicas
         reqs = [
             self._put_start_request(k, len(v), replicas, placement, preferred_segment)
             for k, v in zip(keys, views, strict=True)
@@ -519,6 +529,14 @@ class StoreClient:
             return self._link.call(method, request, self._timeout, _retryable)
         except grpc.RpcError as e:
             raise _rpc_error(e, method) from e
+
+
+def default_replicas() -> int:
+    """MOONCAKE_STORE_REPLICAS, or 1; InvalidArgument names the variable when it is bad."""
+    raw = os.environ.get("MOONCAKE_STORE_REPLICAS", "").strip() or "1"
+    if not raw.isdigit() or not 1 <= int(raw) <= 8:
+        raise InvalidArgument(f"MOONCAKE_STORE_REPLICAS must be an integer 1..8, not {raw!r}")
+    return int(raw)
 
 
 def _retryable(e: grpc.RpcError, method: str) -> bool:
