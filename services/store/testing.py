@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from mooncake_k8s.common.errors import StoreError
 from mooncake_k8s.common.netutil import free_port
@@ -228,6 +232,92 @@ def store_cluster(
         for i in range(nodes):
             cluster.start_node(f"n{i}", dram_size)
         yield cluster
+
+
+def load_payload(key: str, size: int) -> bytes:
+    """Bytes determined by the key, so any reader can check what it got."""
+    seed = int.from_bytes(key.encode()[-8:].rjust(8, b"\0"), "little")
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+@dataclass
+class PutGetLoad:
+    """Writers put fresh keys and remember what was acknowledged; a reader checks bytes."""
+
+    cluster: StoreCluster
+    size: int = 16 << 10
+    acked: list[str] = field(default_factory=list)
+    wrong: int = 0
+    failed_puts: int = 0
+    last_ack: float = 0.0
+    last_read: float = 0.0
+    stop: threading.Event = field(default_factory=threading.Event)
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    def start(self) -> None:
+        for w in range(2):
+            self.threads.append(threading.Thread(target=self._write, args=(w,), daemon=True))
+        self.threads.append(threading.Thread(target=self._read, daemon=True))
+        for t in self.threads:
+            t.start()
+
+    def _write(self, w: int) -> None:
+        with self.cluster.client(timeout_s=5) as c:
+            i = 0
+            while not self.stop.is_set():
+                key = f"w{w}-{i:08d}"
+                i += 1
+                try:
+                    c.put(key, load_payload(key, self.size), replicas=1)
+                except StoreError:
+                    self.failed_puts += 1
+                    continue
+                self.acked.append(key)
+                self.last_ack = time.monotonic()
+
+    def _read(self) -> None:
+        with self.cluster.client(timeout_s=5) as c:
+            while not self.stop.is_set():
+                if not self.acked:
+                    time.sleep(0.01)
+                    continue
+                key = random.choice(self.acked)
+                try:
+                    if bytes(c.get(key)) != load_payload(key, self.size):
+                        self.wrong += 1
+                    self.last_read = time.monotonic()
+                except StoreError:
+                    pass  # unavailable during the failover: retried with another key
+
+    def acks_after(self, t: float, n: int, timeout: float = 30.0) -> float:
+        """Wait until `n` puts were acknowledged after time `t`; returns the first's delay."""
+        before = len(self.acked)
+        deadline = time.monotonic() + timeout
+        first = 0.0
+        while time.monotonic() < deadline:
+            if self.last_ack > t and not first:
+                first = self.last_ack - t
+            if len(self.acked) >= before + n and first:
+                return first
+            time.sleep(0.01)
+        raise TimeoutError("no puts acknowledged after the failover")
+
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=30)
+
+    def verify_all(self) -> tuple[int, int]:
+        """(acknowledged objects missing, objects with wrong bytes) after the load."""
+        lost = wrong = 0
+        with self.cluster.client(timeout_s=10) as c:
+            for key in self.acked:
+                try:
+                    if bytes(c.get(key)) != load_payload(key, self.size):
+                        wrong += 1
+                except StoreError:
+                    lost += 1
+        return lost, wrong
 
 
 class RedisServer:

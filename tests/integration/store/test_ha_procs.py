@@ -5,107 +5,20 @@ accept a write."""
 
 from __future__ import annotations
 
-import random
 import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import numpy as np
 import pytest
 
 from mooncake_k8s.common.auth import call_metadata
-from mooncake_k8s.common.errors import StoreError
 from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.common.rpc import store_pb2_grpc as pb_grpc
-from mooncake_k8s.store.testing import HaStoreCluster
+from mooncake_k8s.store.testing import HaStoreCluster, PutGetLoad
 
 KiB = 1 << 10
-
-
-def payload(key: str) -> bytes:
-    seed = int.from_bytes(key.encode()[-8:].rjust(8, b"\0"), "little")
-    return np.random.default_rng(seed).integers(0, 256, 16 * KiB, dtype=np.uint8).tobytes()
-
-
-@dataclass
-class Load:
-    """Writers put fresh keys and remember what was acknowledged; a reader checks bytes."""
-
-    cluster: HaStoreCluster
-    acked: list[str] = field(default_factory=list)
-    wrong: int = 0
-    failed_puts: int = 0
-    last_ack: float = 0.0
-    stop: threading.Event = field(default_factory=threading.Event)
-    threads: list[threading.Thread] = field(default_factory=list)
-
-    def start(self) -> None:
-        for w in range(2):
-            self.threads.append(threading.Thread(target=self._write, args=(w,), daemon=True))
-        self.threads.append(threading.Thread(target=self._read, daemon=True))
-        for t in self.threads:
-            t.start()
-
-    def _write(self, w: int) -> None:
-        with self.cluster.client(timeout_s=5) as c:
-            i = 0
-            while not self.stop.is_set():
-                key = f"w{w}-{i:08d}"
-                i += 1
-                try:
-                    c.put(key, payload(key), replicas=1)
-                except StoreError:
-                    self.failed_puts += 1
-                    continue
-                self.acked.append(key)
-                self.last_ack = time.monotonic()
-
-    def _read(self) -> None:
-        with self.cluster.client(timeout_s=5) as c:
-            while not self.stop.is_set():
-                if not self.acked:
-                    time.sleep(0.01)
-                    continue
-                key = random.choice(self.acked)
-                try:
-                    if bytes(c.get(key)) != payload(key):
-                        self.wrong += 1
-                except StoreError:
-                    pass  # unavailable during the failover: retried with another key
-
-    def acks_after(self, t: float, n: int, timeout: float = 30.0) -> float:
-        """Wait until `n` puts were acknowledged after time `t`; returns the first's delay."""
-        before = len(self.acked)
-        deadline = time.monotonic() + timeout
-        first = 0.0
-        while time.monotonic() < deadline:
-            if self.last_ack > t and not first:
-                first = self.last_ack - t
-            if len(self.acked) >= before + n and first:
-                return first
-            time.sleep(0.01)
-        raise TimeoutError("no puts acknowledged after the failover")
-
-    def finish(self) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=30)
-
-    def verify_all(self) -> tuple[int, int]:
-        """(acknowledged objects missing, objects with wrong bytes) after the load."""
-        lost = wrong = 0
-        with self.cluster.client(timeout_s=10) as c:
-            for key in self.acked:
-                try:
-                    if bytes(c.get(key)) != payload(key):
-                        wrong += 1
-                except StoreError:
-                    lost += 1
-        return lost, wrong
 
 
 def ha_cluster() -> HaStoreCluster:
@@ -149,7 +62,7 @@ def test_standby_refuses_and_names_the_leader() -> None:
 def test_leader_killed_under_load_loses_no_acknowledged_put() -> None:
     with ha_cluster() as cluster:
         name, leader = cluster.leader()
-        load = Load(cluster)
+        load = PutGetLoad(cluster)
         load.start()
         load.acks_after(time.monotonic(), 50)
         killed = time.monotonic()
@@ -170,7 +83,7 @@ def test_leader_killed_under_load_loses_no_acknowledged_put() -> None:
 def test_frozen_leader_that_wakes_up_accepts_no_write() -> None:
     with ha_cluster() as cluster:
         name, leader = cluster.leader()
-        load = Load(cluster)
+        load = PutGetLoad(cluster)
         load.start()
         load.acks_after(time.monotonic(), 30)
         cluster.pause(leader)
