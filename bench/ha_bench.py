@@ -31,6 +31,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -137,9 +138,11 @@ def main() -> int:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "scenarios": {},
     }
-    for name, run in (("ha-kill9", lambda: ha_trials(a.trials, False)),
-                      ("ha-sigstop", lambda: ha_trials(a.trials, True)),
-                      ("embedded-restart", lambda: embedded_trials(a.trials))):
+    runs: list[tuple[str, Callable[[], list[dict[str, Any]]]]] = [
+        ("ha-kill9", lambda: ha_trials(a.trials, False)),
+        ("ha-sigstop", lambda: ha_trials(a.trials, True)),
+        ("embedded-restart", lambda: embedded_trials(a.trials))]
+    for name, run in runs:
         print(f"running {name} ...", file=sys.stderr, flush=True)
         trials = run()
         results["scenarios"][name] = {"summary": summary(trials), "trials": trials}
