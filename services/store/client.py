@@ -177,7 +177,7 @@ class StoreClient:
                 ("grpc.min_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 1000),
             ],
-            attempt_s=master_attempt_s,
+            attempt_s=master_attempt_s, token=token,
         )
         self._timeout = timeout_s
         self._lease_ms = lease_ms

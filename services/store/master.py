@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import signal
 import threading
@@ -33,6 +34,7 @@ from prometheus_client.registry import Collector
 from mooncake_k8s.common.metrics import LATENCY_BUCKETS, serve_metrics
 from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.common.rpcserver import MAX_MESSAGE
+from mooncake_k8s.store.fastpath import FastPathServer
 from mooncake_k8s.store.ha import RedisCoordinator
 from mooncake_k8s.store.masterlink import RECOVERING_KEY
 from mooncake_k8s.store.metadata import MasterState
@@ -80,6 +82,9 @@ class MasterConfig:
     heartbeat_interval_ms: int = 1000
     max_object_size: int = 1 << 30
     tick_interval_s: float = 0.05
+    fast_port: int = 0
+    """Port of the fast path for the hot calls (`fastpath`) on `host`; 0 picks a free one,
+    -1 turns it off (clients then use gRPC for everything)."""
     workers: int = 8
     """Threads of the executor for the calls kept off the event loop (RegisterNode); streams
     and other calls need none."""
@@ -197,6 +202,8 @@ class MasterServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._server: grpc.aio.Server | None = None
+        self._fast: FastPathServer | None = None
+        self.fast_port: int | None = None
         self._ticker: threading.Thread | None = None
         self.port = 0
         self.metrics_port: int | None = None
@@ -270,6 +277,15 @@ class MasterServer:
             raise OSError(f"cannot bind the master server to {target}")
         await server.start()
         self._server = server
+        if cfg.fast_port >= 0:
+            self._fast = FastPathServer(self._handlers, cfg.token)
+            try:
+                self.fast_port = await self._fast.start(cfg.host, cfg.fast_port)
+            except OSError as e:
+                await server.stop(None)
+                raise OSError(f"cannot bind the master's fast path to {cfg.host}:"
+                              f"{cfg.fast_port}: {e}") from e
+            self._handlers.advertise_fast_port(self.fast_port)
         return int(bound)
 
     # -- HA (Redis) ----------------------------------------------------------------------
@@ -343,6 +359,9 @@ class MasterServer:
             self.ha.stop(resign=not self.ha.deposed.is_set())
         self.state.close()  # wakes every stream: they end on their own
         loop, server = self._loop, self._server
+        if loop is not None and self._fast is not None:
+            with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
+                asyncio.run_coroutine_threadsafe(self._fast.stop(), loop).result(5)
         if loop is not None and server is not None:
             try:
                 asyncio.run_coroutine_threadsafe(server.stop(grace), loop).result(grace + 10)
@@ -391,6 +410,7 @@ def run_master(config: MasterConfig) -> None:
     log.info(
         "store master listening",
         extra={"address": server.address, "master_id": server.master_id,
+               "fast_port": server.fast_port,
                "metrics_port": server.metrics_port, "auth": bool(config.token)},
     )
     try:

@@ -11,6 +11,8 @@ master and sends each call to the one it believes leads:
   calls that are safe to repeat are retried there, the others fail with MasterUnavailable;
 - with several masters each attempt is bounded (`attempt_s`), so a paused leader costs one
   attempt, not the whole call's timeout;
+- the hot calls go over the master's fast path (`fastpath`) once a gRPC answer named its
+  port;
 - every leader's answer carries its fencing token (`mooncake-epoch`); an answer with a token
   below one already seen comes from a deposed leader and is discarded like an unreachable
   master's.
@@ -30,13 +32,16 @@ import grpc
 
 from mooncake_k8s.common.errors import InvalidArgument
 from mooncake_k8s.common.rpc import store_pb2_grpc as pb_grpc
+from mooncake_k8s.store.fastpath import METHOD_IDS, FastPathClient, FastPathError
 
 EPOCH_KEY = "mooncake-epoch"
 STANDBY_KEY = "mooncake-standby"
 LEADER_KEY = "mooncake-leader"
 RECOVERING_KEY = "mooncake-recovering"
+FAST_PORT_KEY = "mooncake-fast-port"
 _RETRY_FIRST_S = 0.02
 _RETRY_MAX_S = 0.25
+_FAST_OFF_S = 30.0
 _DOWN_S = 1.0
 """A master that could not be reached is not returned to (even when a standby still names it
 as the leader, its lease not yet lapsed) for this long."""
@@ -88,9 +93,13 @@ class MasterLink:
     def __init__(
         self, masters: str, metadata: tuple[tuple[str, str], ...] = (),
         options: list[tuple[str, Any]] | None = None, attempt_s: float = 2.0,
+        token: str | None = None,
     ) -> None:
         self.addresses = parse_masters(masters)
         self._md = metadata
+        self._token = token  # None: never use the fast path
+        self._fast: dict[str, FastPathClient] = {}
+        self._fast_off: dict[str, float] = {}  # fast port unreachable: gRPC until then
         self._options = options or []
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
@@ -120,8 +129,30 @@ class MasterLink:
         with self._lock:
             for ch in self._channels.values():
                 ch.close()
+            for f in self._fast.values():
+                f.close()
             self._channels.clear()
             self._stubs.clear()
+            self._fast.clear()
+
+    def _learn_fast(self, address: str, trailers: Any) -> None:
+        """Note the master's fast-path port from a gRPC answer (see `fastpath`)."""
+        if (self._token is None or address in self._fast
+                or self._fast_off.get(address, 0.0) > time.monotonic()):
+            return
+        for k, v in trailers or ():
+            if k == FAST_PORT_KEY and v.isdigit():
+                host = address.rpartition(":")[0].strip("[]")
+                if host and not address.startswith(("dns:", "unix:", "ipv4:", "ipv6:")):
+                    with self._lock:
+                        self._fast.setdefault(address, FastPathClient(host, int(v), self._token))
+                return
+
+    def _forget_fast(self, address: str) -> None:
+        with self._lock:
+            f = self._fast.pop(address, None)
+        if f is not None:
+            f.close()
 
     def failed(self, address: str, hint: str = "", unreachable: bool = False) -> None:
         """`address` did not answer as the leader: go to `hint` (the leader it named) unless
@@ -169,14 +200,30 @@ class MasterLink:
         while True:
             left = deadline - time.monotonic()
             addr, stub = self.stub()
-            attempt = left if self.attempt_s is None else min(left, self.attempt_s)
+            attempt = max(left if self.attempt_s is None else min(left, self.attempt_s), 0.001)
+            fast = self._fast.get(addr) if method in METHOD_IDS else None
             try:
+                if fast is not None:
+                    resp, trailers = fast.call(method, request, attempt)
+                    self.check_epoch(addr, trailers)
+                    return resp
                 resp, call = getattr(stub, method).with_call(
-                    request, metadata=md, timeout=max(attempt, 0.001))
-                self.check_epoch(addr, call.trailing_metadata())
+                    request, metadata=md, timeout=attempt)
+                trailers = call.trailing_metadata()
+                self.check_epoch(addr, trailers)
+                self._learn_fast(addr, trailers)
                 return resp
             except grpc.RpcError as e:
                 code = e.code()
+                if isinstance(e, FastPathError) and not e.sent:
+                    # The fast port cannot be reached although gRPC could: use gRPC a while.
+                    self._forget_fast(addr)
+                    self._fast_off[addr] = time.monotonic() + _FAST_OFF_S
+                    continue
+                if fast is not None and code in (
+                        grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                        grpc.StatusCode.UNAUTHENTICATED) and not trailers_of(e):
+                    self._forget_fast(addr)  # gRPC again; it names the port anew
                 t = trailers_of(e)
                 if code == grpc.StatusCode.UNAVAILABLE and STANDBY_KEY in t:
                     self.failed(addr, t.get(LEADER_KEY, ""))

@@ -30,7 +30,13 @@ from prometheus_client import Histogram
 from mooncake_k8s.common.auth import METADATA_KEY, token_matches
 from mooncake_k8s.common.errors import InvalidArgument, NoSpace, ObjectTooLarge, StoreError
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.store.masterlink import EPOCH_KEY, LEADER_KEY, RECOVERING_KEY, STANDBY_KEY
+from mooncake_k8s.store.masterlink import (
+    EPOCH_KEY,
+    FAST_PORT_KEY,
+    LEADER_KEY,
+    RECOVERING_KEY,
+    STANDBY_KEY,
+)
 from mooncake_k8s.store.metadata import MasterState, PutNotFound, PutSuperseded, UnknownNode
 from mooncake_k8s.store.recovery import RecoveryGate
 
@@ -61,6 +67,17 @@ class _Abort(Exception):
         self.code = code
         self.message = message
         self.trailers = trailers
+
+
+Trailers = tuple[tuple[str, str], ...]
+
+
+def status_of(e: Exception, method: str) -> tuple[grpc.StatusCode, str, Trailers]:
+    """The status, message and trailers a failed call answers; logs unexpected errors."""
+    code, msg = _status_of(e)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("rpc failed", exc_info=e, extra={"method": method})
+    return code, msg, e.trailers if isinstance(e, _Abort) else ()
 
 
 def _status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
@@ -318,6 +335,13 @@ class Handlers:
         self._stopping = stopping
         self._ha = servicer.ha
         self._off_loop = _OFF_LOOP_HA if self._ha is not None else _OFF_LOOP
+        self._methods = {name: getattr(servicer, name) for name, _ in _UNARY}
+        self._timers = {name: rpc_seconds.labels(name) for name, _ in _UNARY}
+        self._trailers: tuple[tuple[str, str], ...] = ()
+        """Added to every gRPC answer (the fast path's port, once it listens)."""
+
+    def advertise_fast_port(self, port: int) -> None:
+        self._trailers = ((FAST_PORT_KEY, str(port)),)
 
     def _not_leader(self) -> _Abort | None:
         """With Redis HA, the refusal a standby (or deposed leader) answers; else None."""
@@ -344,42 +368,44 @@ class Handlers:
                 return True
         return False
 
-    def _unary(self, name: str) -> Callable[[Any, Any], Any]:
-        method = getattr(self._servicer, name)
-        timer = self._rpc_seconds.labels(name)
-        off_loop = name in self._off_loop
-        ha = self._ha
-
-        async def handler(req: Any, ctx: Any) -> Any:
-            if not self._authorized(ctx):
-                await ctx.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
-            start = time.perf_counter()
-            try:
+    async def invoke(self, name: str, req: Any) -> tuple[Any, tuple[tuple[str, str], ...]]:
+        """Run unary method `name`: (response, trailers), or raise (to be mapped by
+        `status_of`). Shared by the gRPC handlers and the fast path (`fastpath`)."""
+        method = self._methods[name]
+        start = time.perf_counter()
+        try:
+            refusal = self._not_leader()
+            if refusal is not None:
+                raise refusal
+            if name in self._off_loop:
+                resp = await asyncio.get_running_loop().run_in_executor(None, method, req, None)
+            else:
+                resp = method(req, None)
+            trailers = self._trailers
+            if self._ha is not None:
+                # The fencing token, checked again after the work: a leader deposed meanwhile
+                # must not answer (clients drop answers from older epochs).
                 refusal = self._not_leader()
                 if refusal is not None:
                     raise refusal
-                if off_loop:
-                    resp = await asyncio.get_running_loop().run_in_executor(
-                        None, method, req, ctx
-                    )
-                else:
-                    resp = method(req, ctx)
-                if ha is not None:
-                    # The fencing token, checked again after the work: a leader deposed
-                    # meanwhile must not answer (clients drop answers from older epochs).
-                    refusal = self._not_leader()
-                    if refusal is not None:
-                        raise refusal
-                    ctx.set_trailing_metadata(((EPOCH_KEY, str(ha.epoch)),))
+                trailers = (*trailers, (EPOCH_KEY, str(self._ha.epoch)))
+            return resp, trailers
+        finally:
+            self._timers[name].observe(time.perf_counter() - start)
+
+    def _unary(self, name: str) -> Callable[[Any, Any], Any]:
+        async def handler(req: Any, ctx: Any) -> Any:
+            if not self._authorized(ctx):
+                await ctx.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+            try:
+                resp, trailers = await self.invoke(name, req)
+                if trailers:
+                    ctx.set_trailing_metadata(trailers)
                 return resp
             except Exception as e:  # mapped to a status; nothing kills the server
-                code, msg = _status_of(e)
-                if code == grpc.StatusCode.INTERNAL:
-                    log.exception("rpc failed", extra={"method": name})
-                if isinstance(e, _Abort) and e.trailers:
-                    ctx.set_trailing_metadata(e.trailers)
-            finally:
-                timer.observe(time.perf_counter() - start)
+                code, msg, trailers = status_of(e, name)
+                if trailers:
+                    ctx.set_trailing_metadata(trailers)
             await ctx.abort(code, msg)
 
         return handler
