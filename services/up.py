@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mooncake_k8s.common.netutil import free_port
+from mooncake_k8s.common.netutil import free_service_port
 from mooncake_k8s.store.testing import Proc
 from mooncake_k8s.supervise import RestartPolicy, Supervisor
 
@@ -75,8 +75,10 @@ class LocalCluster:
         self.log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="mooncake-up-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, Proc] = {}
-        self.master_port = free_port(config.host)
-        self.port = config.port or free_port(config.host)
+        # Ports outside the ephemeral range: a restarted child binds its port again, and an
+        # outgoing connection must not have taken it meanwhile.
+        self.master_port = free_service_port(config.host)
+        self.port = config.port or free_service_port(config.host)
         self.prefill_ports: list[int] = []
         self.decode_ports: list[int] = []
 
@@ -131,19 +133,19 @@ class LocalCluster:
         c = self.config
         h = c.host
         prepare_model(c, self.echo)
-        mport = free_port(h)
+        mport = free_service_port(h)
         # A state dir tells the master this is a first start (no nodes to wait for) and, after a
         # restart, exactly which nodes it knew.
         self._spawn("master", ["store", "master", "--host", h, "--port", str(self.master_port),
                                "--metrics-port", str(mport),
                                "--state-dir", str(self.log_dir / "master-state")], mport)
-        nport = free_port(h)
+        nport = free_service_port(h)
         self._spawn("store-node", ["store", "node", "--master", self.master, "--host", h,
                                    "--node-id", "store-0", "--dram-size", str(c.store_size),
                                    "--metrics-port", str(nport)], nport)
         for role, count in (("prefill", c.prefill), ("decode", c.decode)):
             for i in range(count):
-                port, hport = free_port(h), free_port(h)
+                port, hport = free_service_port(h), free_service_port(h)
                 args = [role, "--host", h, "--port", str(port), "--master", self.master,
                         "--metrics-port", str(hport), "--instance-id", f"{role}-{i}",
                         *self._model_args(), *self._engine_args()]
