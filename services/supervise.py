@@ -3,10 +3,12 @@
 A child that exits is started again with the same arguments (so the same ports and the same
 instance or node id: the Conductor's poll and the store master's re-registration take it back)
 after a backoff that doubles from `initial_backoff_s` up to `max_backoff_s`, and falls back to
-the initial one once a child has stayed up `reset_after_s`. A child that exits
-`max_restarts` times within `window_s` is in a crash loop: restarting it again only hides the
-problem, so the supervisor gives up and `mooncake up` stops everything, naming the child, its
-exit status and the end of its log.
+the initial one once a child has stayed up `reset_after_s`. A child that exits more than
+`max_restarts` times within `window_s`, or more than `max_restarts` times in a row each time
+before `reset_after_s` (a child that takes long to fail, such as one that loads a model before
+binding its port, may never fit that many exits into the window) is in a crash loop:
+restarting it again only hides the problem, so the supervisor gives up and `mooncake up` stops
+everything, naming the child, its exit status and the end of its log.
 
 The policy is pure functions over an immutable `ChildHistory` (tests drive them with a fake
 clock); `Supervisor` applies it to anything shaped like a `Child`. `mooncake up` (`up.py`) is
@@ -34,10 +36,11 @@ class RestartPolicy:
     """The backoff doubles per consecutive crash up to this cap (seconds)."""
     reset_after_s: float = 30.0
     """A child that stayed up this long (seconds) crashed for a new reason: its next restart
-    starts again from `initial_backoff_s`."""
+    starts again from `initial_backoff_s`, and its earlier short runs no longer count."""
     max_restarts: int = 5
-    """Exits within `window_s` that make a crash loop. 0 restarts nothing: the first exit of
-    any child stops everything (the behaviour before supervision)."""
+    """Restarts allowed within `window_s`, and in a row after runs shorter than
+    `reset_after_s`; one more exit is a crash loop. 0 restarts nothing: the first exit of any
+    child stops everything (the behaviour before supervision)."""
     window_s: float = 120.0
     """The sliding window (seconds) in which exits are counted for the crash-loop limit."""
 
@@ -57,6 +60,8 @@ class ChildHistory:
     """When the child exited, inside the crash-loop window only."""
     backoff_s: float = 0.0
     """The delay before the latest restart (0: never restarted, or reset)."""
+    short_exits: int = 0
+    """Consecutive exits of runs shorter than `reset_after_s`."""
     restarts: int = 0
     """Restarts since `mooncake up` began (the counter in the status output)."""
 
@@ -68,8 +73,8 @@ class Restart:
 
 @dataclass(frozen=True)
 class CrashLoop:
-    exits: int
-    window_s: float
+    reason: str
+    """What follows the child's name, e.g. `is crash-looping: it exited 6 times within 120s`."""
 
 
 Decision = Restart | CrashLoop
@@ -86,10 +91,18 @@ def on_exit(policy: RestartPolicy, history: ChildHistory, now: float
             ) -> tuple[Decision, ChildHistory]:
     """The decision for a child that exited at `now`, and its history with that exit."""
     exits = (*(t for t in history.exits if now - t < policy.window_s), now)
+    short = now - history.started_at < policy.reset_after_s
+    history = replace(history, exits=exits, short_exits=history.short_exits + 1 if short else 0)
+    if policy.max_restarts == 0:
+        return CrashLoop("exited and restarts are off (max_restarts=0)"), history
     if len(exits) > policy.max_restarts:
-        return CrashLoop(len(exits), policy.window_s), replace(history, exits=exits)
+        return CrashLoop(f"is crash-looping: it exited {len(exits)} times within "
+                         f"{policy.window_s:.0f}s"), history
+    if history.short_exits > policy.max_restarts:
+        return CrashLoop(f"is crash-looping: it exited {history.short_exits} times in a row, "
+                         f"each time within {policy.reset_after_s:.0f}s of its start"), history
     delay = next_backoff(policy, history, now)
-    return Restart(delay), replace(history, exits=exits, backoff_s=delay)
+    return Restart(delay), replace(history, backoff_s=delay)
 
 
 def on_restart(history: ChildHistory, now: float) -> ChildHistory:
@@ -128,12 +141,11 @@ class Child(Protocol):
 class CrashLoopError(RuntimeError):
     """A child exited too often: the whole system should stop."""
 
-    def __init__(self, name: str, status: str, exits: int, window_s: float, tail: str) -> None:
+    def __init__(self, name: str, status: str, reason: str, tail: str) -> None:
         self.child = name
         self.status = status
-        super().__init__(
-            f"{name} is crash-looping: it exited {exits} times within {window_s:.0f}s "
-            f"(last: {status}); giving up. Last log lines of {name}:\n{tail}")
+        super().__init__(f"{name} {reason} (last: {status}); giving up. "
+                         f"Last log lines of {name}:\n{tail}")
 
 
 @dataclass
@@ -176,11 +188,11 @@ class Supervisor:
             e.last_exit = describe_exit(rc)
             decision, e.history = on_exit(self.policy, e.history, now)
             if isinstance(decision, CrashLoop):
-                log.error("%s exited (%s) %d times within %.0fs: crash loop, stopping",
-                          e.child.name, e.last_exit, decision.exits, decision.window_s)
+                log.error("%s %s (last: %s); stopping everything", e.child.name,
+                          decision.reason, e.last_exit)
                 self._notify()
-                raise CrashLoopError(e.child.name, e.last_exit, decision.exits,
-                                     decision.window_s, e.child.log_tail())
+                raise CrashLoopError(e.child.name, e.last_exit, decision.reason,
+                                     e.child.log_tail())
             e.restart_at = now + decision.delay_s
             log.warning("%s (pid %d) exited with %s; restarting in %.1fs (restart %d)",
                         e.child.name, e.child.pid, e.last_exit, decision.delay_s,

@@ -57,19 +57,40 @@ def test_backoff_resets_after_the_child_stayed_up() -> None:
 def test_crash_loop_after_max_restarts_within_the_window() -> None:
     decisions = _crash_at([1.0, 2.0, 3.0, 4.0, 5.0, 6.0])
     assert all(isinstance(d, Restart) for d in decisions[:5])
-    assert decisions[5] == CrashLoop(exits=6, window_s=60.0)
+    assert decisions[5] == CrashLoop("is crash-looping: it exited 6 times within 60s")
 
 
 def test_exits_outside_the_window_are_forgotten() -> None:
-    # Six exits, but never more than five within any 60 s: never a crash loop.
-    decisions = _crash_at([0.0, 20.0, 40.0, 55.0, 59.0, 61.0, 81.0, 101.0])
+    # Eight exits, but never more than five within any 60 s, and the runs are long (over
+    # reset_after_s) except one: never a crash loop.
+    p = RestartPolicy(max_restarts=5, window_s=60, reset_after_s=3.0)
+    decisions = _crash_at([0.0, 20.0, 40.0, 55.0, 59.0, 61.0, 81.0, 101.0], p)
     assert all(isinstance(d, Restart) for d in decisions), decisions
+
+
+def test_a_child_that_fails_slowly_is_a_crash_loop_too() -> None:
+    """Each run lasts 25 s (a model load, then the failure): never more than three exits in
+    the 60 s window, but six short runs in a row."""
+    decisions = _crash_at([25.0 * (i + 1) for i in range(6)])
+    assert all(isinstance(d, Restart) for d in decisions[:5]), decisions
+    assert decisions[5] == CrashLoop("is crash-looping: it exited 6 times in a row, each time "
+                                     "within 30s of its start")
+
+
+def test_a_long_run_forgets_the_short_ones() -> None:
+    h = ChildHistory(started_at=0.0)
+    for t in (10.0, 20.0, 30.0):
+        _, h = on_exit(POLICY, h, t)
+        h = on_restart(h, t)
+    assert h.short_exits == 3
+    _, h = on_exit(POLICY, h, 100.0)  # up 70 s
+    assert h.short_exits == 0
 
 
 def test_zero_restarts_stops_at_the_first_exit() -> None:
     p = RestartPolicy(max_restarts=0)
     d, _ = on_exit(p, ChildHistory(started_at=0.0), 5.0)
-    assert d == CrashLoop(exits=1, window_s=p.window_s)
+    assert d == CrashLoop("exited and restarts are off (max_restarts=0)")
 
 
 def test_restart_counter_counts_every_restart() -> None:
