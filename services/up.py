@@ -4,6 +4,10 @@ The master, one storage node, N prefill and M decode workers and the Conductor e
 child process on 127.0.0.1 (the same `mooncake` commands a Kubernetes pod runs), sharing a
 random cluster token that exists only in their environment. `LocalCluster` is also what the
 end-to-end tests and the serving benchmark start, so they exercise exactly this.
+
+`run_up` keeps them running as Kubernetes would: a child that exits is started again with the
+same arguments (`supervise` decides when, and when a crash loop ends it all); `LocalCluster`
+alone, as tests use it, still fails as soon as any child exits (`check_alive`).
 """
 
 from __future__ import annotations
