@@ -294,13 +294,22 @@ def conductor(**o: Any) -> None:
 @click.option("--sidecar", "with_sidecar", is_flag=True,
               help="Give each worker a transfer sidecar (`mooncake sidecar`) as a pod has: "
                    "SGLang's KV pool traffic then goes through its Unix socket.")
+@click.option("--max-restarts", default=5, show_default=True, type=click.IntRange(0, 1000),
+              help="A child that exits is restarted with backoff; this many exits of one "
+                   "child within --restart-window is a crash loop and stops everything "
+                   "(0: the first exit stops everything).")
+@click.option("--restart-window", default=120.0, show_default=True,
+              type=click.FloatRange(min=1.0), help="Seconds (see --max-restarts).")
 @click.argument("engine_argv", nargs=-1, type=click.UNPROCESSED)
 @_apply(_model_opts)
 @_apply(_sched_opts)
 def up(**o: Any) -> None:
     """Start a whole cluster on this machine (master, store, prefill, decode, Conductor)."""
+    from mooncake_k8s.common.logs import setup_logging
+    from mooncake_k8s.supervise import RestartPolicy
     from mooncake_k8s.up import UpConfig, run_up
 
+    setup_logging("up", "info", json_format=False)  # restarts are logged to stderr
     if o["engine_kind"] != "embedded":
         problem = _engine_checks(o["engine_kind"])[0]
         if problem:
@@ -314,6 +323,8 @@ def up(**o: Any) -> None:
         device=o["device"], threads=o["threads"], ready_timeout_s=o["ready_timeout"],
         engine=o["engine_kind"], engine_args=[*o["engine_args"], *o["engine_argv"]],
         sidecar=o["with_sidecar"],
+        restart_policy=RestartPolicy(max_restarts=o["max_restarts"],
+                                     window_s=o["restart_window"]),
         extra_env={env: str(o[key]) for key, env in (
             ("scheduler", "MOONCAKE_SCHEDULER"), ("cost_model", "MOONCAKE_COST_MODEL"),
             ("ttft_slo_ms", "MOONCAKE_TTFT_SLO_MS"), ("tbt_slo_ms", "MOONCAKE_TBT_SLO_MS"))
