@@ -32,7 +32,7 @@ MIN_DRAM_PER_NODE = 1 << 20
 def metadata_errors(meta: Any) -> list[str]:
     """What the API server checks in a MooncakeCluster's ObjectMeta before the CRD's schema."""
     if not isinstance(meta, dict):
-        return [f"metadata: must be a mapping with at least a name, got {corev1._kind(meta)}"]
+        return [f"metadata: must be a mapping with at least a name, got {corev1.kind_of(meta)}"]
     errors: list[str] = []
     if "name" not in meta or meta["name"] in (None, ""):
         errors.append("metadata.name: required")
@@ -41,9 +41,9 @@ def metadata_errors(meta: Any) -> list[str]:
     if meta.get("namespace") not in (None, ""):
         errors += corev1.dns1123_label(meta["namespace"], "metadata.namespace")
     if meta.get("labels") is not None:
-        errors += corev1.labels(meta["labels"], "metadata.labels")
+        errors += corev1.label_map(meta["labels"], "metadata.labels")
     if meta.get("annotations") is not None:
-        errors += corev1.annotations(meta["annotations"], "metadata.annotations")
+        errors += corev1.annotation_map(meta["annotations"], "metadata.annotations")
     return errors
 
 
@@ -60,7 +60,7 @@ def spec_errors(spec: Obj) -> list[str]:
             errors += _role_errors(roles[role], f"spec.roles.{role}")
     service = (roles.get("conductor") or {}).get("service") or {}
     if service.get("annotations") is not None:
-        errors += corev1.annotations(service["annotations"],
+        errors += corev1.annotation_map(service["annotations"],
                                      "spec.roles.conductor.service.annotations")
     errors += _rdma_errors(spec.get("rdma") or {})
     errors += _size_errors(spec)
@@ -73,7 +73,7 @@ def _role_errors(role: Obj, path: str) -> list[str]:
         errors += corev1.resource_requirements(effective_resources(role["resources"]),
                                                f"{path}.resources")
     if role.get("nodeSelector") is not None:
-        errors += corev1.labels(role["nodeSelector"], f"{path}.nodeSelector")
+        errors += corev1.label_map(role["nodeSelector"], f"{path}.nodeSelector")
     if role.get("tolerations") is not None:
         errors += corev1.tolerations(role["tolerations"], f"{path}.tolerations")
     if role.get("affinity") is not None:
@@ -106,25 +106,25 @@ def _pod_template_errors(tpl: Any, path: str) -> list[str]:
     override may set that no rule here covers go to the API server as written."""
     if not isinstance(tpl, dict):
         return [f"{path}: must be a mapping (a partial PodTemplateSpec), got "
-                f"{corev1._kind(tpl)}"]
+                f"{corev1.kind_of(tpl)}"]
     errors = [f"{path}.{k}: unknown field (known: metadata, spec)"
               for k in tpl if k not in ("metadata", "spec")]
     meta, spec = tpl.get("metadata"), tpl.get("spec")
     if meta is not None:
         if not isinstance(meta, dict):
-            errors.append(f"{path}.metadata: must be a mapping, got {corev1._kind(meta)}")
+            errors.append(f"{path}.metadata: must be a mapping, got {corev1.kind_of(meta)}")
         else:
             if meta.get("labels") is not None:
-                errors += corev1.labels(meta["labels"], f"{path}.metadata.labels")
+                errors += corev1.label_map(meta["labels"], f"{path}.metadata.labels")
             if meta.get("annotations") is not None:
-                errors += corev1.annotations(meta["annotations"], f"{path}.metadata.annotations")
+                errors += corev1.annotation_map(meta["annotations"], f"{path}.metadata.annotations")
     if spec is None:
         return errors
     if not isinstance(spec, dict):
         return [*errors, f"{path}.spec: must be a mapping (a partial PodSpec), got "
-                         f"{corev1._kind(spec)}"]
+                         f"{corev1.kind_of(spec)}"]
     where = f"{path}.spec"
-    for key, check in (("nodeSelector", corev1.labels), ("tolerations", corev1.tolerations),
+    for key, check in (("nodeSelector", corev1.label_map), ("tolerations", corev1.tolerations),
                        ("affinity", corev1.affinity),
                        ("priorityClassName", corev1.dns1123_subdomain),
                        ("serviceAccountName", corev1.dns1123_subdomain)):
@@ -135,11 +135,11 @@ def _pod_template_errors(tpl: Any, path: str) -> list[str]:
         if items is None:
             continue
         if not isinstance(items, list):
-            errors.append(f"{where}.{key}: must be a list, got {corev1._kind(items)}")
+            errors.append(f"{where}.{key}: must be a list, got {corev1.kind_of(items)}")
             continue
         for i, c in enumerate(items):
             if not isinstance(c, dict):
-                errors.append(f"{where}.{key}[{i}]: must be a mapping, got {corev1._kind(c)}")
+                errors.append(f"{where}.{key}[{i}]: must be a mapping, got {corev1.kind_of(c)}")
             elif c.get("resources") is not None:
                 errors += corev1.resource_requirements(c["resources"],
                                                        f"{where}.{key}[{i}].resources")

@@ -84,24 +84,24 @@ def label_value(value: Any, path: str) -> list[str]:
     return []
 
 
-def labels(value: Any, path: str) -> list[str]:
+def label_map(value: Any, path: str) -> list[str]:
     """A label map (also a nodeSelector or matchLabels): qualified keys, label values."""
     if not isinstance(value, Mapping):
-        return [f"{path}: must be a mapping of label keys to values, got {_kind(value)}"]
+        return [f"{path}: must be a mapping of label keys to values, got {kind_of(value)}"]
     errors: list[str] = []
     for k, v in value.items():
-        errors += qualified_name(k, path + f"[{k}]") or label_value(v, at(path, str(k)))
+        errors += qualified_name(k, at(path, str(k))) or label_value(v, at(path, str(k)))
     return errors
 
 
-def annotations(value: Any, path: str) -> list[str]:
+def annotation_map(value: Any, path: str) -> list[str]:
     if not isinstance(value, Mapping):
-        return [f"{path}: must be a mapping of annotation keys to strings, got {_kind(value)}"]
+        return [f"{path}: must be a mapping of annotation keys to strings, got {kind_of(value)}"]
     errors: list[str] = []
     for k, v in value.items():
-        errors += qualified_name(k, path + f"[{k}]")
+        errors += qualified_name(k, at(path, str(k)))
         if not isinstance(v, str):
-            errors.append(f"{at(path, str(k))}: must be a string, got {_kind(v)}")
+            errors.append(f"{at(path, str(k))}: must be a string, got {kind_of(v)}")
     return errors
 
 
@@ -203,7 +203,7 @@ def _resource_name_errors(name: Any, path: str) -> list[str]:
 def resource_requirements(value: Any, path: str) -> list[str]:
     """`requests` and `limits` of one container, with the API server's cross-checks."""
     if not isinstance(value, Mapping):
-        return [f"{path}: must be a mapping with requests and limits, got {_kind(value)}"]
+        return [f"{path}: must be a mapping with requests and limits, got {kind_of(value)}"]
     errors = _unknown(value, path, ("requests", "limits", "claims"))
     parsed: dict[str, dict[str, Decimal]] = {"requests": {}, "limits": {}}
     for part in ("limits", "requests"):
@@ -213,11 +213,11 @@ def resource_requirements(value: Any, path: str) -> list[str]:
         where = at(path, part)
         if not isinstance(block, Mapping):
             errors.append(f"{where}: must be a mapping of resource names to quantities, "
-                          f"got {_kind(block)}")
+                          f"got {kind_of(block)}")
             continue
         for name, q in block.items():
             here = at(where, str(name))
-            bad = _resource_name_errors(name, where + f"[{name}]") or quantity_errors(
+            bad = _resource_name_errors(name, here) or quantity_errors(
                 q, here, integer=is_extended_resource(str(name)))
             errors += bad
             if not bad:
@@ -252,7 +252,7 @@ SECONDS_NEED_NO_EXECUTE = "effect must be NoExecute when tolerationSeconds is se
 
 def tolerations(value: Any, path: str) -> list[str]:
     if not isinstance(value, list):
-        return [f"{path}: must be a list of tolerations, got {_kind(value)}"]
+        return [f"{path}: must be a list of tolerations, got {kind_of(value)}"]
     errors: list[str] = []
     for i, t in enumerate(value):
         errors += toleration(t, at(path, i))
@@ -261,7 +261,7 @@ def tolerations(value: Any, path: str) -> list[str]:
 
 def toleration(t: Any, path: str) -> list[str]:
     if not isinstance(t, Mapping):
-        return [f"{path}: must be a mapping (a core/v1 Toleration), got {_kind(t)}"]
+        return [f"{path}: must be a mapping (a core/v1 Toleration), got {kind_of(t)}"]
     errors = _unknown(t, path, ("key", "operator", "value", "effect", "tolerationSeconds"))
     errors += _strings(t, path, ("key", "operator", "value", "effect"))
     if errors:
@@ -285,7 +285,7 @@ def toleration(t: Any, path: str) -> list[str]:
         secs = t["tolerationSeconds"]
         if isinstance(secs, bool) or not isinstance(secs, int):
             errors.append(f"{at(path, 'tolerationSeconds')}: must be an integer, got "
-                          f"{_kind(secs)}")
+                          f"{kind_of(secs)}")
         elif effect != "NoExecute":
             errors.append(f"{at(path, 'effect')}: {SECONDS_NEED_NO_EXECUTE}")
     return errors
@@ -301,7 +301,7 @@ LABEL_OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
 def affinity(value: Any, path: str) -> list[str]:
     """A core/v1 Affinity: node affinity, pod affinity and pod anti-affinity."""
     if not isinstance(value, Mapping):
-        return [f"{path}: must be a mapping (a core/v1 Affinity), got {_kind(value)}"]
+        return [f"{path}: must be a mapping (a core/v1 Affinity), got {kind_of(value)}"]
     errors = _unknown(value, path, ("nodeAffinity", "podAffinity", "podAntiAffinity"))
     if "nodeAffinity" in value:
         errors += _node_affinity(value["nodeAffinity"], at(path, "nodeAffinity"))
@@ -317,12 +317,12 @@ _PREFERRED = "preferredDuringSchedulingIgnoredDuringExecution"
 
 def _node_affinity(value: Any, path: str) -> list[str]:
     if not isinstance(value, Mapping):
-        return [f"{path}: must be a mapping, got {_kind(value)}"]
+        return [f"{path}: must be a mapping, got {kind_of(value)}"]
     errors = _unknown(value, path, (_REQUIRED, _PREFERRED))
     if _REQUIRED in value:
         req, where = value[_REQUIRED], at(path, _REQUIRED)
         if not isinstance(req, Mapping):
-            errors.append(f"{where}: must be a mapping with nodeSelectorTerms, got {_kind(req)}")
+            errors.append(f"{where}: must be a mapping with nodeSelectorTerms, got {kind_of(req)}")
         else:
             errors += _unknown(req, where, ("nodeSelectorTerms",))
             terms, tpath = req.get("nodeSelectorTerms"), at(where, "nodeSelectorTerms")
@@ -345,7 +345,7 @@ def _node_affinity(value: Any, path: str) -> list[str]:
 def _node_selector_term(term: Any, path: str, *, required: bool) -> list[str]:
     if not isinstance(term, Mapping):
         return [f"{path}: must be a mapping with matchExpressions or matchFields, "
-                f"got {_kind(term)}"]
+                f"got {kind_of(term)}"]
     errors = _unknown(term, path, ("matchExpressions", "matchFields"))
     if required and not term.get("matchExpressions") and not term.get("matchFields"):
         errors.append(f"{path}: an empty term matches no node; give it matchExpressions or "
@@ -374,7 +374,7 @@ def _requirement(expr: Mapping[str, Any], path: str, operators: tuple[str, ...],
     vpath = at(path, "values")
     if values is not None and (not isinstance(values, list)
                                or not all(isinstance(v, str) for v in values)):
-        return [*errors, f"{vpath}: must be a list of strings, got {_kind(values)}"]
+        return [*errors, f"{vpath}: must be a list of strings, got {kind_of(values)}"]
     n = len(values or [])
     if op not in operators:
         errors.append(f"{at(path, 'operator')}: {op!r} is not one of {_list(operators)}")
@@ -398,7 +398,7 @@ def _requirement(expr: Mapping[str, Any], path: str, operators: tuple[str, ...],
 
 def _pod_affinity(value: Any, path: str) -> list[str]:
     if not isinstance(value, Mapping):
-        return [f"{path}: must be a mapping, got {_kind(value)}"]
+        return [f"{path}: must be a mapping, got {kind_of(value)}"]
     errors = _unknown(value, path, (_REQUIRED, _PREFERRED))
     for _, term, where in _items(value, _REQUIRED, path, errors):
         errors += _pod_affinity_term(term, where)
@@ -434,10 +434,10 @@ def _pod_affinity_term(term: Mapping[str, Any], path: str) -> list[str]:
 def label_selector(value: Any, path: str) -> list[str]:
     """A metav1 LabelSelector: matchLabels and matchExpressions."""
     if not isinstance(value, Mapping):
-        return [f"{path}: must be a mapping (a LabelSelector), got {_kind(value)}"]
+        return [f"{path}: must be a mapping (a LabelSelector), got {kind_of(value)}"]
     errors = _unknown(value, path, ("matchLabels", "matchExpressions"))
     if value.get("matchLabels") is not None:
-        errors += labels(value["matchLabels"], at(path, "matchLabels"))
+        errors += label_map(value["matchLabels"], at(path, "matchLabels"))
     for _, expr, where in _items(value, "matchExpressions", path, errors):
         errors += _requirement(expr, where, LABEL_OPERATORS, label_values=True)
     return errors
@@ -447,7 +447,8 @@ def label_selector(value: Any, path: str) -> list[str]:
 # helpers
 
 
-def _kind(value: Any) -> str:
+def kind_of(value: Any) -> str:
+    """How messages name a value's JSON type ("got a string", "got null")."""
     if value is None:
         return "null"
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
@@ -464,7 +465,7 @@ def _unknown(value: Mapping[str, Any], path: str, known: tuple[str, ...]) -> lis
 
 
 def _strings(value: Mapping[str, Any], path: str, keys: tuple[str, ...]) -> list[str]:
-    return [f"{at(path, k)}: must be a string, got {_kind(value[k])}"
+    return [f"{at(path, k)}: must be a string, got {kind_of(value[k])}"
             for k in keys if value.get(k) is not None and not isinstance(value[k], str)]
 
 
@@ -483,12 +484,12 @@ def _items(parent: Mapping[str, Any], key: str, path: str, errors: list[str], *,
     if value is None:
         return []
     if not isinstance(value, list):
-        errors.append(f"{where}: must be a list, got {_kind(value)}")
+        errors.append(f"{where}: must be a list, got {kind_of(value)}")
         return []
     out = []
     for i, v in enumerate(value):
         if mappings and not isinstance(v, Mapping):
-            errors.append(f"{at(where, i)}: must be a mapping, got {_kind(v)}")
+            errors.append(f"{at(where, i)}: must be a mapping, got {kind_of(v)}")
         else:
             out.append((i, v, at(where, i)))
     return out

@@ -63,9 +63,11 @@ def apply_defaults(s: Schema, value: Any) -> Any:
 
 
 def _path(parts: Iterator[Any] | list[Any]) -> str:
+    """`spec.roles.prefill.tolerations[0]`, `...nodeSelector[kubernetes.io/os]`: the same
+    spelling `corev1` uses, so one field reads the same in every message."""
     out = ""
     for p in parts:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+        out = corev1.at(out, p if isinstance(p, int) else str(p))
     return out or "<root>"
 
 
@@ -80,6 +82,8 @@ def _structural_errors(s: Schema, value: Any) -> list[str]:
             msg = f"{e.instance!r} {sch.PATTERN_MESSAGES[e.validator_value]}"
         elif e.validator == "pattern":
             msg = f"{e.instance!r} does not match {e.validator_value}"
+        elif e.validator == "type" and e.instance is None:
+            msg = f"null is not of type {e.validator_value!r}"
         else:
             msg = e.message
         errors.append(f"{where}: {msg}")
@@ -205,7 +209,7 @@ def validate_cluster(obj: Any, old: dict[str, Any] | None = None) -> dict[str, A
     `InvalidResource`."""
     if not isinstance(obj, dict):
         raise InvalidResource([f"<root>: a MooncakeCluster is a mapping with apiVersion, kind, "
-                               f"metadata and spec, got {corev1._kind(obj)}"])
+                               f"metadata and spec, got {corev1.kind_of(obj)}"])
     api = f"{sch.GROUP}/{sch.VERSION}"
     errors = []
     if obj.get("apiVersion") != api:
@@ -214,8 +218,16 @@ def validate_cluster(obj: Any, old: dict[str, Any] | None = None) -> dict[str, A
     if obj.get("kind") != "MooncakeCluster":
         errors.append(f"kind: {obj.get('kind')!r} is not served here; expected kind "
                       "MooncakeCluster")
-    errors += admission.metadata_errors(obj.get("metadata"))
+    if errors:
+        raise InvalidResource(errors)  # another kind: its spec means nothing here
+    errors = admission.metadata_errors(obj.get("metadata"))
+    if not isinstance((obj.get("metadata") or {}).get("name"), str):
+        raise InvalidResource(errors)  # the schema's rules read metadata.name
+    try:
+        defaulted = validate(sch.cluster_schema(), obj, old,
+                             lambda c: admission.spec_errors(c["spec"]))
+    except InvalidResource as e:
+        raise InvalidResource(errors + e.errors) from None
     if errors:
         raise InvalidResource(errors)
-    return validate(sch.cluster_schema(), obj, old,
-                    lambda c: admission.spec_errors(c["spec"]))
+    return defaulted
