@@ -445,8 +445,9 @@ async def test_autoscaler_reads_conductor_metrics_and_scales(k8s: ApplyingEmulat
                 await eventually(lambda: obj(k8s, "StatefulSet", "demo-prefill")["spec"][
                     "replicas"] == 5, timeout=15)
                 assert obj(k8s, "MooncakeRoleScaler", "demo-prefill")["spec"]["replicas"] == 5
-                # ratio.max 4: decode follows to 2
-                assert obj(k8s, "StatefulSet", "demo-decode")["spec"]["replicas"] == 2
+                # ratio.max 4: decode follows to 2 (the same apply, one object later)
+                await eventually(lambda: obj(k8s, "StatefulSet", "demo-decode")["spec"][
+                    "replicas"] == 2, timeout=15)
                 st = await eventually(lambda: obj(k8s, "MooncakeCluster", "demo")["status"]
                                       .get("autoscaling"))
                 assert (st["prefill"], st["decode"]) == (5, 2)
