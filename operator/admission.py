@@ -107,13 +107,18 @@ def _pod_template_errors(tpl: Any, path: str) -> list[str]:
     if not isinstance(tpl, dict):
         return [f"{path}: must be a mapping (a partial PodTemplateSpec), got "
                 f"{corev1.kind_of(tpl)}"]
-    errors = [f"{path}.{k}: unknown field (known: metadata, spec)"
+    errors = [f"{corev1.at(path, str(k))}: unknown field (known: metadata, spec)"
               for k in tpl if k not in ("metadata", "spec")]
     meta, spec = tpl.get("metadata"), tpl.get("spec")
+    for key in ("metadata", "spec"):  # null would replace the rendered one, not merge into it
+        if key in tpl and tpl[key] is None:
+            errors.append(f"{path}.{key}: must be a mapping, got null")
     if meta is not None:
         if not isinstance(meta, dict):
             errors.append(f"{path}.metadata: must be a mapping, got {corev1.kind_of(meta)}")
         else:
+            errors += [f"{corev1.at(path + '.metadata', str(k))}: unknown field of an ObjectMeta"
+                       for k in meta if k not in corev1.OBJECT_META_FIELDS]
             if meta.get("labels") is not None:
                 errors += corev1.label_map(meta["labels"], f"{path}.metadata.labels")
             if meta.get("annotations") is not None:
@@ -124,16 +129,19 @@ def _pod_template_errors(tpl: Any, path: str) -> list[str]:
         return [*errors, f"{path}.spec: must be a mapping (a partial PodSpec), got "
                          f"{corev1.kind_of(spec)}"]
     where = f"{path}.spec"
+    errors += [f"{corev1.at(where, str(k))}: unknown field of a PodSpec (`kubectl explain "
+               "pod.spec` lists them)" for k in spec if k not in corev1.POD_SPEC_FIELDS]
     for key, check in (("nodeSelector", corev1.label_map), ("tolerations", corev1.tolerations),
                        ("affinity", corev1.affinity),
                        ("priorityClassName", corev1.dns1123_subdomain),
                        ("serviceAccountName", corev1.dns1123_subdomain)):
-        if spec.get(key) not in (None, ""):
-            errors += check(spec[key], f"{where}.{key}")
+        value = spec.get(key)
+        if value is not None and (value != "" or not key.endswith("Name")):
+            errors += check(value, f"{where}.{key}")
     for key in ("containers", "initContainers"):
-        items = spec.get(key)
-        if items is None:
+        if key not in spec:
             continue
+        items = spec[key]
         if not isinstance(items, list):
             errors.append(f"{where}.{key}: must be a list, got {corev1.kind_of(items)}")
             continue

@@ -175,6 +175,23 @@ def quantity_errors(value: Any, path: str, *, integer: bool = False) -> list[str
 
 STANDARD_CONTAINER_RESOURCES = ("cpu", "memory", "ephemeral-storage")
 
+# Field names of a core/v1 PodSpec and a meta/v1 ObjectMeta (Kubernetes 1.33; a unit test
+# compares them with the published OpenAPI schemas), for catching typos in pod templates.
+POD_SPEC_FIELDS = (
+    "activeDeadlineSeconds", "affinity", "automountServiceAccountToken", "containers",
+    "dnsConfig", "dnsPolicy", "enableServiceLinks", "ephemeralContainers", "hostAliases",
+    "hostIPC", "hostNetwork", "hostPID", "hostUsers", "hostname", "imagePullSecrets",
+    "initContainers", "nodeName", "nodeSelector", "os", "overhead", "preemptionPolicy",
+    "priority", "priorityClassName", "readinessGates", "resourceClaims", "resources",
+    "restartPolicy", "runtimeClassName", "schedulerName", "schedulingGates", "securityContext",
+    "serviceAccount", "serviceAccountName", "setHostnameAsFQDN", "shareProcessNamespace",
+    "subdomain", "terminationGracePeriodSeconds", "tolerations", "topologySpreadConstraints",
+    "volumes")
+OBJECT_META_FIELDS = (
+    "annotations", "creationTimestamp", "deletionGracePeriodSeconds", "deletionTimestamp",
+    "finalizers", "generateName", "generation", "labels", "managedFields", "name", "namespace",
+    "ownerReferences", "resourceVersion", "selfLink", "uid")
+
 
 def is_extended_resource(name: str) -> bool:
     """A device-plugin style name (`nvidia.com/gpu`): prefixed, and not a kubernetes.io one."""

@@ -6,9 +6,11 @@ the ones the API server would let through (the rules outside the CRD) are also r
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import kubernetes_validate  # type: ignore[import-untyped]
@@ -236,6 +238,17 @@ INVALID: list[tuple[str, Obj | Callable[[Obj], None], str]] = [
      "name"),
     ("pod-template-not-a-template", _role("store", podTemplate={"containers": []}),
      "spec.roles.store.podTemplate.containers: unknown field (known: metadata, spec)"),
+    ("pod-template-spec-typo", _role("prefill", podTemplate={"spec": {
+        "nodeSelecter": {"disk": "ssd"}}}),
+     "spec.roles.prefill.podTemplate.spec.nodeSelecter: unknown field of a PodSpec"),
+    ("pod-template-metadata-typo", _role("prefill", podTemplate={"metadata": {
+        "label": {"team": "ml"}}}),
+     "spec.roles.prefill.podTemplate.metadata.label: unknown field of an ObjectMeta"),
+    ("pod-template-null-containers", _role("prefill", podTemplate={"spec": {
+        "containers": None}}),
+     "spec.roles.prefill.podTemplate.spec.containers: must be a list, got null"),
+    ("pod-template-null-metadata", _role("prefill", podTemplate={"metadata": None}),
+     "spec.roles.prefill.podTemplate.metadata: must be a mapping, got null"),
     # --- across fields, and what the programs refuse
     ("dram-zero", {"store": {"dramPerNode": 0}},
      "spec.store.dramPerNode: 0 is below 1Mi, the least a store node serves"),
@@ -415,6 +428,18 @@ def test_qualified_name_limits() -> None:
     assert corev1.label_value("", "v") == [] and corev1.label_value("-a", "v") != []
 
 
+@pytest.mark.parametrize(("fields", "schema_file"), [
+    (corev1.POD_SPEC_FIELDS, "podspec-v1.json"),
+    (corev1.OBJECT_META_FIELDS, "objectmeta-meta-v1.json"),
+])
+def test_field_lists_match_the_kubernetes_openapi(fields: tuple[str, ...],
+                                                  schema_file: str) -> None:
+    folder = Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema"
+    published = json.loads((folder / f"v{K8S_VERSION}.0-local-strict" / schema_file)
+                           .read_text())["properties"]
+    assert sorted(fields) == sorted(published)
+
+
 NAMES = ["a", "a-b", "a.b", "a..b", "-a", "a-", "A", "a_b", "a/b", "example.com/a_B.c",
          "Example.com/a", "a/b/c", "x" * 63, "x" * 64, "", "1", "a.b-c.d", "a.-b", "a b"]
 
@@ -467,3 +492,44 @@ def test_toleration_cel_rules_agree_with_the_python_rules(tol: Obj) -> None:
     except InvalidResource as e:
         crd = e.errors
     assert sorted(crd) == sorted(corev1.toleration(tol, ""))
+
+
+# ---- odd values anywhere: a message or a valid pod, never an exception or a refused pod
+
+ODD: list[Any] = [None, "", "x", "-1", "1e3", 0, -1, 1.5, True, [], [None], ["x"], {},
+                  {"a": None}, {"a": [1]}, {"": ""}, {"key": {}}]
+ODD_PATHS = [
+    ("roles", "prefill", "resources"), ("roles", "prefill", "resources", "requests"),
+    ("roles", "prefill", "resources", "limits", "cpu"),
+    ("roles", "prefill", "resources", "requests", "nvidia.com/gpu"),
+    ("roles", "decode", "nodeSelector"), ("roles", "decode", "tolerations"),
+    ("roles", "decode", "affinity"), ("roles", "decode", "affinity", "nodeAffinity"),
+    ("roles", "decode", "affinity", "podAntiAffinity"), ("roles", "store", "podTemplate"),
+    ("roles", "store", "podTemplate", "spec"), ("roles", "store", "podTemplate", "metadata"),
+    ("roles", "store", "podTemplate", "spec", "containers"),
+    ("roles", "store", "podTemplate", "spec", "tolerations"),
+    ("roles", "store", "priorityClassName"), ("serviceAccountName",), ("store", "dramPerNode"),
+    ("store", "ssd"), ("model", "servedName"), ("rdma", "resourceName"), ("roles", "master"),
+    ("roles", "conductor", "service", "annotations"), ("clusterDomain",),
+]
+
+
+@pytest.mark.parametrize("path", ODD_PATHS, ids=[".".join(p) for p in ODD_PATHS])
+def test_odd_values_get_a_message_or_render_pods_kubernetes_accepts(
+        make_cluster: Callable[..., Obj], path: tuple[str, ...]) -> None:
+    for value in ODD:
+        spec: Obj = {}
+        node = spec
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+        try:
+            rendered = render(validate_cluster(make_cluster(spec)))
+        except InvalidResource as e:
+            assert all(FIELD_PATH.match(m) for m in e.errors), e.errors
+            continue
+        except SpecError:
+            continue
+        for obj in rendered.objects:
+            if obj["kind"] in ("StatefulSet", "Deployment"):
+                kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
