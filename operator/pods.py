@@ -15,10 +15,9 @@ from __future__ import annotations
 import copy
 import math
 import shlex
-from decimal import Decimal
 from typing import Any
 
-from mooncake_k8s.operator import naming
+from mooncake_k8s.operator import corev1, naming
 from mooncake_k8s.operator.schema import DATA_ROLES, SIDECAR_STAGING_DEFAULT
 
 Obj = dict[str, Any]
@@ -151,7 +150,8 @@ def gpu_count(spec: Obj, role: str) -> int:
     """GPUs the role's container asks for (limits, else requests; 0 = a CPU pod)."""
     res = spec["roles"][role].get("resources") or {}
     for part in ("limits", "requests"):
-        n = sum(int(v) for k, v in (res.get(part) or {}).items() if is_gpu_resource(k))
+        n = sum(int(corev1.parse_quantity(v)) for k, v in (res.get(part) or {}).items()
+                if is_gpu_resource(k))
         if n:
             return n
     return 0
@@ -184,9 +184,9 @@ def _memory(spec: Obj, role: str, *order: str) -> int | None:
         q = (res.get(part) or {}).get("memory")
         if q is not None:
             try:
-                return naming.parse_bytes(q)
+                return math.ceil(corev1.parse_quantity(q))
             except ValueError:
-                return None  # not a quantity: Kubernetes rejects the pod and says why
+                return None  # not a quantity: admission rejects it before rendering
     return None
 
 
@@ -196,12 +196,10 @@ def _cpus(spec: Obj, role: str) -> int | None:
     for part in ("limits", "requests"):
         q = (res.get(part) or {}).get("cpu")
         if q is not None:
-            text = str(q).strip()
             try:
-                millis = (Decimal(text[:-1]) if text.endswith("m") else Decimal(text) * 1000)
-            except ArithmeticError:
-                return None  # not a quantity: Kubernetes rejects the pod and says why
-            return max(1, math.ceil(millis / 1000))
+                return max(1, math.ceil(corev1.parse_quantity(q)))
+            except ValueError:
+                return None  # not a quantity: admission rejects it before rendering
     return None
 
 

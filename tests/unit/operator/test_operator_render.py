@@ -539,7 +539,7 @@ def _ports_of(c: Obj) -> dict[str, int]:
 
 
 def test_sglang_cpu_pods(make_cluster: Callable[..., Obj]) -> None:
-    res = {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"cpu": "1500m",
+    res = {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"cpu": "1500m",
                                                                  "memory": "6Gi"}}
     r = _sglang(make_cluster, {"prefill": {"resources": res}, "decode": {"resources": res}},
                 device="cpu", args=["--dtype", "bfloat16", "--context-length", "2048"])
