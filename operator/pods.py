@@ -343,6 +343,7 @@ def _role_env(ctx: Ctx, role: str) -> tuple[list[Obj], list[str]]:
     if role == "master":
         env = [_env("MOONCAKE_MASTER_HOST", "$(MOONCAKE_POD_IP)"),
                _env("MOONCAKE_MASTER_PORT", p["grpc"]),
+               _env("MOONCAKE_MASTER_FAST_PORT", p["fast"]),
                _env("MOONCAKE_MASTER_METRICS_PORT", p["metrics"]),
                _env("MOONCAKE_HIGH_WATERMARK", spec["store"]["highWatermark"]),
                _env("MOONCAKE_LOW_WATERMARK", spec["store"]["lowWatermark"])]

@@ -77,6 +77,10 @@ def store() -> None:
               help="A node silent this long is dead; its replicas are dropped.")
 @click.option("--max-object-size", envvar="MOONCAKE_MAX_OBJECT_SIZE", default="1GiB",
               show_default=True, show_envvar=True, type=SIZE)
+@click.option("--fast-port", envvar="MOONCAKE_MASTER_FAST_PORT", default=0, show_default=True,
+              show_envvar=True, type=click.IntRange(-1, 65535),
+              help="Port of the fast path for puts and lookups (a lean protocol beside gRPC; "
+                   "clients find it by themselves); 0 = any free port, -1 = off.")
 @click.option("--metadata-backend", envvar="MOONCAKE_METADATA_BACKEND", default="embedded",
               show_default=True, show_envvar=True, type=click.Choice(["embedded", "redis"]),
               help="embedded: one master. redis: several masters, one leads by a lease in "
@@ -98,7 +102,8 @@ def store_master(
     host: str, port: int, metrics_port: int, token: str, high_watermark: float,
     low_watermark: float, lease_ms: int, put_timeout_s: float, put_claim_s: float,
     state_dir: str | None, recovery_grace_s: float, node_timeout_s: float,
-    max_object_size: int, metadata_backend: str, redis_url: str, advertise: str,
+    max_object_size: int, fast_port: int, metadata_backend: str, redis_url: str,
+    advertise: str,
     ha_prefix: str, ha_lease_ms: int, allow_any_address: bool, log_level: str,
     log_format: str,
 ) -> None:
@@ -121,7 +126,8 @@ def store_master(
             high_watermark=high_watermark, low_watermark=low_watermark, lease_ms=lease_ms,
             put_timeout_s=put_timeout_s, put_claim_s=put_claim_s, state_dir=state_dir,
             recovery_grace_s=recovery_grace_s, node_timeout_s=node_timeout_s,
-            max_object_size=max_object_size, metadata_backend=metadata_backend,
+            max_object_size=max_object_size, fast_port=fast_port,
+            metadata_backend=metadata_backend,
             redis_url=redis_url, advertise=advertise, ha_prefix=ha_prefix,
             ha_lease_ms=ha_lease_ms,
         )
