@@ -23,9 +23,9 @@ so retries and failover (`masterlink`) treat both paths alike. The handler is th
 (`servicer.Handlers.invoke`): token, leader check, metrics, error mapping.
 
 Hardening, like the transfer port: the hello must arrive within `HELLO_DEADLINE_S`; at most
-`MAX_UNAUTHENTICATED` connections may be waiting for theirs (more are closed at once, so
-hostile sockets cannot crowd out clients); frames are capped at the gRPC message limit; a
-wrong token or a malformed frame closes the connection.
+`MAX_UNAUTHENTICATED` connections may be waiting for theirs (a newcomer beyond that pushes
+out the oldest, so idle or dripping sockets cannot lock clients out); frames are capped at
+the gRPC message limit; a wrong token or a malformed frame closes the connection.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import logging
 import socket
 import struct
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import grpc
@@ -108,7 +109,7 @@ class FastPathServer:
         self._token = token
         self._status_of = status_of
         self._server: asyncio.Server | None = None
-        self._unauthenticated = 0
+        self._pending: OrderedDict[int, asyncio.StreamWriter] = OrderedDict()
         self._connections = 0
         self.rejected = 0
 
@@ -127,27 +128,33 @@ class FastPathServer:
                 await asyncio.wait_for(self._server.wait_closed(), 2)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if (self._unauthenticated >= MAX_UNAUTHENTICATED
-                or self._connections >= MAX_CONNECTIONS):
+        if self._connections >= MAX_CONNECTIONS:
             self.rejected += 1
             writer.close()
             return
+        if len(self._pending) >= MAX_UNAUTHENTICATED:
+            # Push out the oldest connection still in its hello: a real client sends its hello
+            # as it connects and is through at once; the one stalling longest is the likeliest
+            # to be hostile. Refusing newcomers instead would let idle sockets lock clients out.
+            _, oldest = self._pending.popitem(last=False)
+            oldest.close()
+            self.rejected += 1
         self._connections += 1
-        self._unauthenticated += 1
-        authed = False
+        key = id(writer)
+        self._pending[key] = writer
         try:
             authed = await asyncio.wait_for(self._hello(reader, writer), HELLO_DEADLINE_S)
-            self._unauthenticated -= 1
+            self._pending.pop(key, None)
             if authed:
                 sock = writer.get_extra_info("socket")
                 if sock is not None:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 await self._calls(reader, writer)
         except (TimeoutError, asyncio.IncompleteReadError, ConnectionError, ValueError,
-                struct.error, UnicodeDecodeError):
-            if not authed:
-                self._unauthenticated -= 1
+                struct.error, UnicodeDecodeError, OSError):
+            pass  # a client gone, a stalled hello, a malformed frame: the connection ends
         finally:
+            self._pending.pop(key, None)
             self._connections -= 1
             writer.close()
 
