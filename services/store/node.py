@@ -118,6 +118,7 @@ class StorageNode:
         self.metrics = _Metrics(self.registry)
         self.segments: dict[str, Segment] = {}
         self.inventory: dict[tuple[str, int], tuple[str, _Item]] = {}
+        self._used: dict[str, int] = {}  # bytes per segment held by the inventory
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._master_id = ""
@@ -240,8 +241,10 @@ class StorageNode:
                     pb.NodeCommandsRequest(node_id=self.config.node_id, master_id=self._master_id),
                     metadata=self._md,
                 )
-                for cmd in stream:
-                    self._apply(cmd)
+                for batch in stream:
+                    for cmd in batch.commands:
+                        self._apply(cmd)
+                    self._refresh_usage_metrics()
                     if self._stop.is_set():
                         stream.cancel()
                         break
@@ -281,23 +284,23 @@ class StorageNode:
                     self._register()
 
     def _usage(self) -> dict[str, int]:
-        used = dict.fromkeys(self.segments, 0)
         with self._lock:
-            for _key, it in self.inventory.values():
-                used[it.segment] = used.get(it.segment, 0) + it.size
-        return used
+            return {name: self._used.get(name, 0) for name in self.segments}
 
     def _apply(self, cmd: pb.NodeCommand) -> None:
         kind = cmd.kind
         if kind == pb.NodeCommand.COMMITTED:
             item = _Item(cmd.segment, cmd.offset, cmd.size, cmd.checksum)
             with self._lock:
+                old = self.inventory.get((cmd.segment, cmd.offset))
                 self.inventory[(cmd.segment, cmd.offset)] = (cmd.key, item)
-            self._refresh_usage_metrics()
+                self._used[cmd.segment] = (self._used.get(cmd.segment, 0) + cmd.size
+                                           - (old[1].size if old else 0))
         elif kind == pb.NodeCommand.FREED:
             with self._lock:
-                self.inventory.pop((cmd.segment, cmd.offset), None)
-            self._refresh_usage_metrics()
+                gone = self.inventory.pop((cmd.segment, cmd.offset), None)
+                if gone is not None:
+                    self._used[cmd.segment] = self._used.get(cmd.segment, 0) - gone[1].size
         elif kind == pb.NodeCommand.COPY:
             ok, err = self._copy(cmd)
             self.metrics.copies.labels("ok" if ok else "failed").inc()

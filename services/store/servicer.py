@@ -50,6 +50,8 @@ SERVICE = "mooncake.store.v1.Master"
 # RECOVERING_KEY: trailing metadata on an UNAVAILABLE that the master sent on purpose while it
 # rebuilds: the call did nothing, so even a put may be retried. STANDBY_KEY (with LEADER_KEY):
 # the same from a standby master of an HA group.
+COMMAND_COALESCE_S = 0.002
+"""After sending commands to a node, wait this long before sending more."""
 _OFF_LOOP = frozenset({"RegisterNode"})
 """Unary calls run on the executor instead of the event loop (see the module docstring)."""
 _OFF_LOOP_HA = _OFF_LOOP | {"PutEnd", "BatchPutEnd", "Remove", "Pin"}
@@ -187,7 +189,7 @@ class MasterServicer:
 
     async def NodeCommands(
         self, req: pb.NodeCommandsRequest, ctx: Any
-    ) -> AsyncIterator[pb.NodeCommand]:
+    ) -> AsyncIterator[pb.NodeCommandBatch]:
         ev = asyncio.Event()
         stream = self.state.open_command_stream(req.node_id, req.master_id, _waker(ev))
         if stream is None:
@@ -200,9 +202,12 @@ class MasterServicer:
             cmds = self.state.next_commands(req.node_id, stream, 0)
             if cmds is None:
                 return  # a newer stream, the node dropped, or shutdown
-            for cmd in cmds:
-                yield cmd
-            if not cmds:
+            if cmds:
+                yield pb.NodeCommandBatch(commands=cmds)
+                # Let a burst of puts collect into the next message (the node needs no
+                # command at once: commits are already visible to lookups).
+                await asyncio.sleep(COMMAND_COALESCE_S)
+            else:
                 await ev.wait()
 
     def CommandDone(self, req: pb.CommandDoneRequest, ctx: Any) -> pb.CommandDoneResponse:
