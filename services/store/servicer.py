@@ -373,30 +373,46 @@ class Handlers:
                 return True
         return False
 
-    async def invoke(self, name: str, req: Any) -> tuple[Any, tuple[tuple[str, str], ...]]:
-        """Run unary method `name`: (response, trailers), or raise (to be mapped by
-        `status_of`). Shared by the gRPC handlers and the fast path (`fastpath`)."""
-        method = self._methods[name]
+    def on_loop(self, name: str) -> bool:
+        """True if `name` may run right on the event loop (`invoke_now`)."""
+        return name not in self._off_loop
+
+    def invoke_now(self, name: str, req: Any) -> tuple[Any, Trailers]:
+        """`invoke` for a method that runs on the loop, without a coroutine."""
         start = time.perf_counter()
         try:
             refusal = self._not_leader()
             if refusal is not None:
                 raise refusal
-            if name in self._off_loop:
-                resp = await asyncio.get_running_loop().run_in_executor(None, method, req, None)
-            else:
-                resp = method(req, None)
-            trailers = self._trailers
-            if self._ha is not None:
-                # The fencing token, checked again after the work: a leader deposed meanwhile
-                # must not answer (clients drop answers from older epochs).
-                refusal = self._not_leader()
-                if refusal is not None:
-                    raise refusal
-                trailers = (*trailers, (EPOCH_KEY, str(self._ha.epoch)))
-            return resp, trailers
+            return self._finish(self._methods[name](req, None))
         finally:
             self._timers[name].observe(time.perf_counter() - start)
+
+    async def invoke(self, name: str, req: Any) -> tuple[Any, Trailers]:
+        """Run unary method `name`: (response, trailers), or raise (to be mapped by
+        `status_of`). Shared by the gRPC handlers and the fast path (`fastpath`)."""
+        if self.on_loop(name):
+            return self.invoke_now(name, req)
+        start = time.perf_counter()
+        try:
+            refusal = self._not_leader()
+            if refusal is not None:
+                raise refusal
+            resp = await asyncio.get_running_loop().run_in_executor(
+                None, self._methods[name], req, None)
+            return self._finish(resp)
+        finally:
+            self._timers[name].observe(time.perf_counter() - start)
+
+    def _finish(self, resp: Any) -> tuple[Any, Trailers]:
+        if self._ha is None:
+            return resp, self._trailers
+        # The fencing token, checked again after the work: a leader deposed meanwhile must not
+        # answer (clients drop answers from older epochs).
+        refusal = self._not_leader()
+        if refusal is not None:
+            raise refusal
+        return resp, (*self._trailers, (EPOCH_KEY, str(self._ha.epoch)))
 
     def _unary(self, name: str) -> Callable[[Any, Any], Any]:
         async def handler(req: Any, ctx: Any) -> Any:
