@@ -150,6 +150,10 @@ def store_master(
               show_envvar=True, type=SIZE, help="Host DRAM to serve (shared memory).")
 @click.option("--dram-segments", envvar="MOONCAKE_DRAM_SEGMENTS", default=1, show_default=True,
               show_envvar=True, type=click.IntRange(1, 64))
+@click.option("--prefault/--no-prefault", envvar="MOONCAKE_NODE_PREFAULT", default=True,
+              show_default=True, show_envvar=True,
+              help="Allocate the DRAM at start, so puts never pay for page faults (uses the "
+                   "whole --dram-size at once).")
 @click.option("--ssd-dir", envvar="MOONCAKE_SSD_DIR", default=None, show_envvar=True,
               type=click.Path(file_okay=False), help="Directory for the SSD tier (optional).")
 @click.option("--ssd-size", envvar="MOONCAKE_SSD_SIZE", default="0", show_default=True,
@@ -163,8 +167,8 @@ def store_master(
 @_with_logs
 def store_node(
     master: str, node_id: str | None, host: str, port: int, advertise_host: str | None,
-    dram_size: int, dram_segments: int, ssd_dir: str | None, ssd_size: int, metrics_port: int,
-    token: str, allow_any_address: bool, log_level: str, log_format: str,
+    dram_size: int, dram_segments: int, prefault: bool, ssd_dir: str | None, ssd_size: int,
+    metrics_port: int, token: str, allow_any_address: bool, log_level: str, log_format: str,
 ) -> None:
     """Run a storage node that serves DRAM (and optional SSD) segments to the transfer engine."""
     host = _check_bind(host, allow_any_address)
@@ -181,7 +185,8 @@ def store_node(
         NodeConfig(
             master=master, node_id=node_id or f"{socket.gethostname()}-{os.getpid()}",
             token=token, host=host, port=port, advertise_host=advertise_host,
-            dram_size=dram_size, dram_segments=dram_segments, ssd_dir=ssd_dir,
+            dram_size=dram_size, dram_segments=dram_segments, prefault=prefault,
+            ssd_dir=ssd_dir,
             ssd_size=ssd_size, metrics_port=None if metrics_port < 0 else metrics_port,
         )
     )

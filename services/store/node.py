@@ -60,6 +60,9 @@ class NodeConfig:
     dram_size: int = 1 << 30
     """Bytes of host DRAM (POSIX shared memory) to serve."""
     dram_segments: int = 1
+    prefault: bool = True
+    """Allocate the DRAM segments' memory at start (as Mooncake registers its buffers), so puts
+    never pay for first-touch page faults; False leaves them sparse until written."""
     """Split DRAM into this many segments (smaller allocator domains)."""
     ssd_dir: str | None = None
     """Directory for the SSD tier's backing file; None disables the tier."""
@@ -141,7 +144,8 @@ class StorageNode:
         cfg = self.config
         per = cfg.dram_size // max(1, cfg.dram_segments)
         for i in range(max(1, cfg.dram_segments)):
-            self._add_segment(Segment.create_shm(f"{cfg.node_id}-dram-{i}", per, replace=True))
+            self._add_segment(Segment.create_shm(f"{cfg.node_id}-dram-{i}", per, replace=True,
+                                                 populate=cfg.prefault))
         if cfg.ssd_dir and cfg.ssd_size > 0:
             os.makedirs(cfg.ssd_dir, exist_ok=True)
             ssd = Segment.create_file(f"{cfg.node_id}-ssd-0", cfg.ssd_dir, cfg.ssd_size)
