@@ -10,10 +10,14 @@ gRPC: the gRPC shell adds nothing per object) and reports:
                 the N puts, "looked" after one lookup of every key (what lookups cache stays)
   traced B/obj  the same from tracemalloc (a second child process: tracing slows Python down
                 and its own bookkeeping would inflate the RSS figure)
-  lookups       `get_replicas` keys/s and p50/p99 per call, batches of 256 keys and of 1,
-                uniform random keys over all N, after the warm-up pass; "+enc" also counts
-                `Lookup.encode()` (what the gRPC handler sends). "cold" is the first pass over
-                every key (batches of 256): a lookup of a key never looked up before.
+  lookups       `get_replicas` keys/s (from the median call) and p99 per call, batches of
+                256 keys and of 1, uniform random keys over all N, after the warm-up pass;
+                "+enc" also counts `Lookup.encode()` (what the gRPC handler sends). "dict.get
+                floor" is `list(map(objects.get, keys))` on the master's own key dict for other
+                random batches of the same size, interleaved with the lookups: the cost of just
+                finding random keys in a Python dict, which no Python master goes below.
+                "cold" is the first pass over every key (batches of 256): a lookup of a key
+                never looked up before.
 
 Each measurement runs in a fresh child process so one run's heap never colours another's.
 Keys are 32 hex chars by default (`common.blocks.block_keys`: 128-bit blake2b, hex), 64 with
@@ -138,8 +142,9 @@ def child(n: int, key_len: int, nodes: int, traced: bool) -> Row:
         return row
     row["rss_puts_b_per_obj"] = round((puts_rss - base_rss) / n, 1)
     row["rss_looked_b_per_obj"] = round((looked_rss - base_rss) / n, 1)
+    get = st._objects.get  # the floor: the dict lookup every Python master does per key
     for batch, calls in ((256, max(200, 100_000 // 256)), (1, 50_000)):
-        times, enc_times = [], []
+        times, enc_times, floor_times = [], [], []
         for _ in range(calls):
             keys = [make_key(rng.randrange(n), key_len) for _ in range(batch)]
             t = time.perf_counter()
@@ -149,10 +154,21 @@ def child(n: int, key_len: int, nodes: int, traced: bool) -> Row:
             enc_times.append(time.perf_counter() - t1)
             times.append(t1 - t)
             st.release_lease(lk.lease_id)
+            # Other random keys (the same ones would be in cache now), fresh strings (unhashed,
+            # as the gRPC layer parses them).
+            keys = [make_key(rng.randrange(n), key_len) for _ in range(batch)]
+            t = time.perf_counter()
+            list(map(get, keys))
+            floor_times.append(time.perf_counter() - t)
+        # Rates from the median call: this 2-core box is shared, and a preempted call says
+        # nothing about the code (the p99 column shows the tail, preemptions included).
+        med, enc_med = statistics.median(times), statistics.median(enc_times)
+        row[f"b{batch}_keys_per_s"] = round(batch / med)
+        row[f"b{batch}_enc_keys_per_s"] = round(batch / (med + enc_med))
+        row[f"b{batch}_floor_keys_per_s"] = round(batch / statistics.median(floor_times))
+        row[f"b{batch}_mean_keys_per_s"] = round(batch * calls / sum(times))
         times.sort()
-        row[f"b{batch}_keys_per_s"] = round(batch * calls / sum(times))
-        row[f"b{batch}_enc_keys_per_s"] = round(batch * calls / (sum(times) + sum(enc_times)))
-        row[f"b{batch}_p50_us"] = round(statistics.median(times) * 1e6, 2)
+        row[f"b{batch}_p50_us"] = round(med * 1e6, 2)
         row[f"b{batch}_p99_us"] = round(times[int(0.99 * (len(times) - 1))] * 1e6, 2)
     return row
 
@@ -172,12 +188,14 @@ def run_child(n: int, key_len: int, nodes: int, traced: bool, code: str | None) 
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def measure(label: str, n: int, key_len: int, nodes: int, code: str | None) -> Row:
+def measure(label: str, n: int, key_len: int, nodes: int, code: str | None,
+            traced: bool = True) -> Row:
     print(f"[{label}] n={n} key_len={key_len}: RSS and lookups ...", file=sys.stderr, flush=True)
     row = run_child(n, key_len, nodes, False, code)
-    print(f"[{label}] tracemalloc ...", file=sys.stderr, flush=True)
-    tr = run_child(n, key_len, nodes, True, code)
-    row.update({k: v for k, v in tr.items() if k.startswith("traced_")})
+    if traced:
+        print(f"[{label}] tracemalloc ...", file=sys.stderr, flush=True)
+        tr = run_child(n, key_len, nodes, True, code)
+        row.update({k: v for k, v in tr.items() if k.startswith("traced_")})
     return {"label": label, **row}
 
 
@@ -200,6 +218,7 @@ COLUMNS = [
     ("traced_puts_b_per_obj", "traced puts", "{:.0f}"),
     ("traced_looked_b_per_obj", "traced looked", "{:.0f}"),
     ("b256_keys_per_s", "keys/s b256", "{:,}"), ("b256_enc_keys_per_s", "+enc", "{:,}"),
+    ("b256_floor_keys_per_s", "dict.get floor", "{:,}"),
     ("b256_p99_us", "p99 us b256", "{:.0f}"), ("b1_keys_per_s", "keys/s b1", "{:,}"),
     ("b1_p99_us", "p99 us b1", "{:.1f}"), ("cold_keys_per_s", "cold keys/s", "{:,}"),
     ("put_per_s", "puts/s", "{:,}"),
@@ -239,6 +258,8 @@ def main() -> None:
     ap.add_argument("--before-ref", default="", help="also measure this git revision's code")
     ap.add_argument("--save-before", action="store_true",
                     help="save this run's row as the 'before' row shown by later runs")
+    ap.add_argument("--no-traced", action="store_true",
+                    help="skip the tracemalloc runs (they take 3-7x longer than the others)")
     ap.add_argument("--out", default="", help="JSON path (default bench/results/...)")
     ap.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--traced", action="store_true", help=argparse.SUPPRESS)
@@ -253,12 +274,13 @@ def main() -> None:
     if args.before_ref:
         with tempfile.TemporaryDirectory() as tmp:
             rows.append(measure(f"before ({args.before_ref})", n, args.key_len, args.nodes,
-                                extract_ref(args.before_ref, tmp)))
+                                extract_ref(args.before_ref, tmp), not args.no_traced))
     elif before_path.exists() and not args.save_before:
         saved = json.loads(before_path.read_text())
         if saved["n"] == n and saved["key_len"] == args.key_len:
             rows.append(saved)
-    now = measure("before" if args.save_before else "this", n, args.key_len, args.nodes, None)
+    now = measure("before" if args.save_before else "this", n, args.key_len, args.nodes, None,
+                  not args.no_traced)
     rows.append(now)
     RESULTS.mkdir(exist_ok=True)
     if args.save_before:

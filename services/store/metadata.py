@@ -75,10 +75,14 @@ log = logging.getLogger(__name__)
 
 MAX_REPLICAS = 8
 MAX_LEASE_MS = 60_000
-#: Measured with tracemalloc over 100k committed single-replica objects with 32-char keys:
-#: ~505 B of records + the key, ~150 B more once a lookup caches the encoded replica list.
-BYTES_PER_OBJECT = 650
-BYTES_PER_EXTRA_REPLICA = 200
+#: Master RSS per committed single-replica object with a 32-char key, lookups included:
+#: 262 B at 1,000,000 objects (bench/master_mem_bench.py; 828 B before the records were
+#: compacted). The key string is ~96 of it, the `_objects` dict slot 42-84 (it doubles in
+#: steps), the `Obj` 64, its answer tail 64, its eviction queue slot 8.
+BYTES_PER_OBJECT = 270
+#: An object with several replicas keeps a list of them and its whole encoded answer: a
+#: second replica adds ~390 B, a third ~185 (tracemalloc, 10k objects).
+BYTES_PER_EXTRA_REPLICA = 400
 
 _EV = pb.BlockEvent
 _CMD = pb.NodeCommand

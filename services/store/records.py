@@ -1,8 +1,12 @@
 """The master's records: nodes, segments, objects, puts, leases, copies, and their wire forms.
 
-Plain data with `__slots__` (the per-object footprint is what bounds how many keys one master
-holds) and the pure encoders that turn a record into protobuf bytes. No locks, no I/O: only
-`metadata.MasterState` creates and mutates these, under its one lock.
+Plain data with `__slots__` and the pure encoders that turn a record into protobuf bytes. No
+locks, no I/O: only `metadata.MasterState` creates and mutates these, under its one lock.
+
+The per-object footprint is what bounds how many keys one master holds, so an object is one
+small record (`Obj`) with no list, dict, set or cache of its own: its replica is inline, the
+part of its lookup answer that names the segment is shared by the whole segment
+(`Segment.head`), and its offset, size and checksum live only in its pre-encoded answer tail.
 """
 
 from __future__ import annotations
