@@ -286,6 +286,8 @@ class MasterState(NodeMembership, TierPolicy):
 
     def put_end(self, key: str, put_id: int, checksum: int) -> None:
         """Publish a written object: from now on lookups see it."""
+        if not 0 <= checksum < 1 << 64:  # (gRPC gives a uint64; in-process callers may not)
+            raise InvalidArgument(f"checksum must be an unsigned 64-bit integer, got {checksum}")
         with self._op():
             put = self._pending.get(put_id)
             if put is None:

@@ -16,7 +16,7 @@ import tracemalloc
 
 import pytest
 
-from mooncake_k8s.common.errors import NoSpace
+from mooncake_k8s.common.errors import InvalidArgument, NoSpace
 from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.store.allocator import SegmentAllocator, align_up
 from mooncake_k8s.store.metadata import BYTES_PER_OBJECT, MasterState
@@ -149,6 +149,16 @@ def test_untracked_allocator_frees_by_size_and_catches_double_frees() -> None:
     a.check()
     assert a.free(128, 64) == 64 and a.used == 0 and a.free_ranges == 1
     a.check()
+
+
+def test_put_end_refuses_a_checksum_that_is_not_a_uint64() -> None:
+    st = cluster(nodes=1)
+    r = st.put_start("k", KiB)
+    for bad in (-1, 1 << 64):
+        with pytest.raises(InvalidArgument, match="checksum"):
+            st.put_end("k", r.put_id, bad)
+    st.put_end("k", r.put_id, (1 << 64) - 1)  # the put is still there, and ends
+    assert st.get_replicas(["k"]).response().objects[0].checksum == (1 << 64) - 1
 
 
 def test_padded_varints_refuse_values_that_do_not_fit() -> None:
