@@ -76,7 +76,7 @@ log = logging.getLogger(__name__)
 MAX_REPLICAS = 8
 MAX_LEASE_MS = 60_000
 #: Master RSS per committed single-replica object with a 32-char key, lookups included:
-#: 262 B at 1,000,000 objects (bench/master_mem_bench.py; 828 B before the records were
+#: 265 B at 1,000,000 objects (bench/master_mem_bench.py; 828 B before the records were
 #: compacted). The key string is ~96 of it, the `_objects` dict slot 42-84 (it doubles in
 #: steps), the `Obj` 64, its answer tail 64, its eviction queue slot 8.
 BYTES_PER_OBJECT = 270
