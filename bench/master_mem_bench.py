@@ -273,7 +273,9 @@ def main() -> None:
     rows: list[Row] = []
     if args.before_ref:
         with tempfile.TemporaryDirectory() as tmp:
-            rows.append(measure(f"before ({args.before_ref})", n, args.key_len, args.nodes,
+            rev = subprocess.run(["git", "-C", str(BENCH_DIR.parent), "rev-parse", "--short",
+                                  args.before_ref], capture_output=True, text=True).stdout.strip()
+            rows.append(measure(f"before ({args.before_ref} {rev})", n, args.key_len, args.nodes,
                                 extract_ref(args.before_ref, tmp), not args.no_traced))
     elif before_path.exists() and not args.save_before:
         saved = json.loads(before_path.read_text())
