@@ -67,15 +67,20 @@ class Segment:
 
     __slots__ = ("_closed", "_fd", "_lock", "_mmap", "_owner", "buf", "desc")
 
-    def __init__(self, desc: SegmentDesc, fd: int, *, owner: bool, writable: bool) -> None:
+    def __init__(self, desc: SegmentDesc, fd: int, *, owner: bool, writable: bool,
+                 populate: bool = False) -> None:
         self.desc = desc
         self._owner = owner
         self._closed = False
         self._lock = threading.Lock()
         self._fd = fd
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        # MAP_POPULATE: fault every page in now rather than on a put's first touch, which
+        # cost a 64 KiB put ~90 us of page faults (allocating and zeroing the node's pages,
+        # filling this process's page table).
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         try:
-            self._mmap = mmap.mmap(fd, desc.size, flags=mmap.MAP_SHARED, prot=prot)
+            self._mmap = mmap.mmap(fd, desc.size, flags=flags, prot=prot)
         finally:
             os.close(fd)
         self.buf = memoryview(self._mmap)
@@ -83,13 +88,17 @@ class Segment:
     # -- constructors ------------------------------------------------------------------------
 
     @classmethod
-    def create_shm(cls, name: str, size: int, *, replace: bool = False) -> Segment:
+    def create_shm(cls, name: str, size: int, *, replace: bool = False,
+                   populate: bool = False) -> Segment:
         """A new DRAM segment backed by /dev/shm/mooncake-<name> (created exclusively).
 
         `replace=True` first removes a file left by a previous owner that died (a restarted node).
+        `populate=True` allocates all its memory now (a storage node's, so that puts do not pay
+        for page faults), instead of as pages are first written.
         """
         path = shm_path(name)
-        return cls._create(SegmentDesc(name, Tier.DRAM, _check_size(size), path), replace)
+        return cls._create(SegmentDesc(name, Tier.DRAM, _check_size(size), path), replace,
+                           populate)
 
     @classmethod
     def create_file(
@@ -100,7 +109,7 @@ class Segment:
         return cls._create(SegmentDesc(name, Tier.SSD, _check_size(size), path), replace)
 
     @classmethod
-    def _create(cls, desc: SegmentDesc, replace: bool) -> Segment:
+    def _create(cls, desc: SegmentDesc, replace: bool, populate: bool = False) -> Segment:
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
         if replace:
             with contextlib.suppress(FileNotFoundError):
@@ -116,7 +125,7 @@ class Segment:
             os.unlink(desc.path)
             raise
         try:
-            return cls(desc, fd, owner=True, writable=True)
+            return cls(desc, fd, owner=True, writable=True, populate=populate)
         except OSError:
             os.unlink(desc.path)
             raise
@@ -151,8 +160,11 @@ class Segment:
             raise TransferError(
                 f"segment {desc.name!r} file is {st.st_size} bytes, expected {desc.size}"
             )
+        # A DRAM segment its node populated: fill this process's page table now too. One the
+        # node left sparse stays sparse (populating here would allocate it all).
+        populate = desc.tier == Tier.DRAM and st.st_blocks * 512 >= st.st_size
         try:
-            return cls(desc, fd, owner=False, writable=writable)
+            return cls(desc, fd, owner=False, writable=writable, populate=populate)
         except (OSError, ValueError) as e:
             raise TransferError(f"cannot map segment {desc.name!r}: {e}") from e
 
