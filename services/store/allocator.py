@@ -5,6 +5,13 @@ an object occupies. Every range is aligned to `ALIGN` bytes (cache lines, and wh
 SSD paths like). Free ranges are indexed twice, by offset (to coalesce neighbours on free and to
 find the range containing an offset on `reserve`) and by (size, offset) (best fit on alloc),
 both sorted containers, so every operation is O(log n) in the number of free ranges.
+
+An allocator either tracks its allocations (offset -> length, so `free(offset)` needs nothing
+else) or, with `track=False`, only its free ranges: then the caller says how long the range it
+frees is. The master builds untracked ones: it knows every object's size anyway, and a second
+offset -> length map would cost it ~75 bytes per stored object (a dict slot and an int), a
+quarter of its whole per-object budget. An untracked `free` still refuses a range that is
+(partly) free already, so a double free is caught, not silently corrupting the free list.
 """
 
 from __future__ import annotations
@@ -21,9 +28,9 @@ def align_up(n: int, align: int = ALIGN) -> int:
 class SegmentAllocator:
     """Allocator for a segment of `size` bytes (usable capacity rounded down to `align`)."""
 
-    __slots__ = ("_align", "_allocated", "_by_offset", "_by_size", "_used", "capacity")
+    __slots__ = ("_align", "_allocated", "_by_offset", "_by_size", "_count", "_used", "capacity")
 
-    def __init__(self, size: int, align: int = ALIGN) -> None:
+    def __init__(self, size: int, align: int = ALIGN, track: bool = True) -> None:
         if size < 0:
             raise ValueError(f"segment size must be >= 0, got {size}")
         if align < 1 or align & (align - 1):
@@ -32,7 +39,9 @@ class SegmentAllocator:
         self.capacity = size // align * align
         self._by_offset: SortedDict = SortedDict()  # offset -> length of the free range
         self._by_size: SortedList = SortedList()  # (length, offset) of every free range
-        self._allocated: dict[int, int] = {}  # offset -> rounded length
+        # offset -> rounded length; None when untracked (see the module docstring)
+        self._allocated: dict[int, int] | None = {} if track else None
+        self._count = 0
         self._used = 0
         if self.capacity:
             self._add_free(0, self.capacity)
@@ -54,7 +63,7 @@ class SegmentAllocator:
 
     @property
     def allocations(self) -> int:
-        return len(self._allocated)
+        return self._count
 
     @property
     def free_ranges(self) -> int:
@@ -64,7 +73,9 @@ class SegmentAllocator:
         return align_up(size, self._align)
 
     def size_of(self, offset: int) -> int | None:
-        """The rounded length allocated at `offset`, or None."""
+        """The rounded length allocated at `offset`, or None (tracking allocators only)."""
+        if self._allocated is None:
+            raise ValueError("an untracked allocator does not know its allocations' lengths")
         return self._allocated.get(offset)
 
     # -- operations ------------------------------------------------------------------------
@@ -81,8 +92,7 @@ class SegmentAllocator:
         self._remove_free(offset, length)
         if length > need:
             self._add_free(offset + need, length - need)
-        self._allocated[offset] = need
-        self._used += need
+        self._taken(offset, need)
         return int(offset)
 
     def reserve(self, offset: int, size: int) -> None:
@@ -110,14 +120,31 @@ class SegmentAllocator:
         end = offset + need
         if start + length > end:
             self._add_free(end, start + length - end)
-        self._allocated[offset] = need
+        self._taken(offset, need)
+
+    def _taken(self, offset: int, need: int) -> None:
+        if self._allocated is not None:
+            self._allocated[offset] = need
+        self._count += 1
         self._used += need
 
-    def free(self, offset: int) -> int:
-        """Free the range allocated at `offset`; returns its rounded length."""
-        length = self._allocated.pop(offset, None)
-        if length is None:
-            raise ValueError(f"no allocation at offset {offset}")
+    def free(self, offset: int, size: int | None = None) -> int:
+        """Free the range allocated at `offset` (of `size` bytes, which an untracked allocator
+        needs); returns its rounded length."""
+        if self._allocated is None:
+            if size is None:
+                raise ValueError("an untracked allocator frees a range by offset and size")
+            length = align_up(size, self._align)
+            self._check_taken(offset, length)
+        else:
+            found = self._allocated.get(offset)
+            if found is None:
+                raise ValueError(f"no allocation at offset {offset}")
+            if size is not None and align_up(size, self._align) != found:
+                raise ValueError(f"the allocation at offset {offset} is {found} bytes, not {size}")
+            del self._allocated[offset]
+            length = found
+        self._count -= 1
         self._used -= length
         start, end = offset, offset + length
         # Coalesce with the free range just before and just after.
@@ -134,6 +161,18 @@ class SegmentAllocator:
         self._add_free(start, end - start)
         return length
 
+    def _check_taken(self, offset: int, length: int) -> None:
+        """Raise unless [offset, offset+length) is in bounds and overlaps no free range."""
+        if offset < 0 or offset % self._align or offset + length > self.capacity or length < 1:
+            raise ValueError(f"no allocation at offset {offset} ({length} bytes)")
+        i = self._by_offset.bisect_right(offset)
+        if i > 0:
+            p_off, p_len = self._by_offset.peekitem(i - 1)
+            if p_off + p_len > offset:
+                raise ValueError(f"no allocation at offset {offset}: the range is free")
+        if i < len(self._by_offset) and self._by_offset.peekitem(i)[0] < offset + length:
+            raise ValueError(f"no allocation at offset {offset}: part of the range is free")
+
     def _add_free(self, offset: int, length: int) -> None:
         self._by_offset[offset] = length
         self._by_size.add((length, offset))
@@ -145,10 +184,21 @@ class SegmentAllocator:
     def check(self) -> None:
         """Assert the internal invariants (tests)."""
         pos = 0
-        ranges = sorted(
-            [(o, n, "free") for o, n in self._by_offset.items()]
-            + [(o, n, "used") for o, n in self._allocated.items()]
-        )
+        free = [(o, n, "free") for o, n in self._by_offset.items()]
+        if self._allocated is None:  # only the free ranges are known: the gaps are in use
+            taken, end = [], 0
+            for o, n, _ in free:
+                if o > end:
+                    taken.append((end, o - end, "used"))
+                end = o + n
+            if end < self.capacity:
+                taken.append((end, self.capacity - end, "used"))
+            assert self._used == sum(n for _, n, _ in taken), "used bytes disagree"
+        else:
+            taken = [(o, n, "used") for o, n in self._allocated.items()]
+            assert self._used == sum(self._allocated.values())
+            assert self._count == len(self._allocated)
+        ranges = sorted(free + taken)
         prev_free = False
         for o, n, kind in ranges:
             assert o == pos, f"gap or overlap at {o} (expected {pos})"
@@ -157,4 +207,3 @@ class SegmentAllocator:
             pos = o + n
         assert pos == self.capacity, f"ranges end at {pos}, capacity {self.capacity}"
         assert sorted((n, o) for o, n in self._by_offset.items()) == list(self._by_size)
-        assert self._used == sum(self._allocated.values())

@@ -76,10 +76,6 @@ class NodeMembership:
                  checksum: int = 0, src: Rep | None = None) -> int:
         raise NotImplementedError
 
-    @staticmethod
-    def _changed(obj: Obj) -> None:
-        raise NotImplementedError
-
     def _free_rep(self, obj: Obj, rep: Rep, committed: bool = True) -> None:
         raise NotImplementedError
 
@@ -152,8 +148,10 @@ class NodeMembership:
                 if (node.address, node.host_id) != (address, host_id):
                     node.address, node.host_id = address, host_id
                     for seg in node.segments:
-                        for obj in seg.lru.values():
-                            obj.wire = None
+                        seg.refresh()
+                        for obj in seg.live():
+                            if not isinstance(obj.at, Segment):  # its answer names the node
+                                obj.set_reps(obj.reps)
             else:
                 if old is not None:
                     self._drop_node(old, "re-registered with different segments")
@@ -198,8 +196,8 @@ class NodeMembership:
             self._end_pending(put)
         dropped = 0
         for seg in node.segments:
-            for obj in list(seg.lru.values()):
-                rep = next(r for r in obj.reps if r.seg is seg)
+            for obj in seg.live():
+                rep = obj.rep_on(seg)
                 if (obj.key, seg.name, rep.offset, obj.size, obj.checksum) not in held:
                     self._drop_rep(obj, rep, _EV.EVICTED)
                     dropped += 1
@@ -257,9 +255,8 @@ class NodeMembership:
                     existing = Obj(item.key, item.size, item.checksum, [rep])
                     self._objects[item.key] = existing
                 else:
-                    existing.reps.append(rep)
-                self._changed(existing)
-                seg.lru[item.key] = existing
+                    existing.set_reps([*existing.reps, rep])
+                seg.enqueue(existing)
                 self._emit(_EV.STORED, item.key, item.size, seg)
                 return 1
         log.warning(
@@ -292,12 +289,9 @@ class NodeMembership:
             seg.alive = False
             if self._segments.get(seg.name) is seg:
                 del self._segments[seg.name]
-            for obj in list(seg.lru.values()):
-                for rep in obj.reps:
-                    if rep.seg is seg:
-                        self._drop_rep(obj, rep, _EV.EVICTED)
-                        dropped += 1
-                        break
+            for obj in seg.live():
+                self._drop_rep(obj, obj.rep_on(seg), _EV.EVICTED)
+                dropped += 1
         for put in list(self._pending.values()):
             if any(r.seg.node is node for r in put.reps):
                 self._end_pending(put)
@@ -391,9 +385,8 @@ class NodeMembership:
                     self.evictions += 1
             return
         dst = cp.dst
-        obj.reps.append(dst)
-        self._changed(obj)
-        dst.seg.lru[obj.key] = obj
+        obj.set_reps([*obj.reps, dst])
+        dst.seg.enqueue(obj)
         self._command(dst.seg.node, _CMD.COMMITTED, obj.key, dst.seg, dst.offset, obj.size,
                       obj.checksum)
         if cp.kind == "spill":

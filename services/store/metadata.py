@@ -52,8 +52,11 @@ from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.store.events import EventHub, Subscription
 from mooncake_k8s.store.membership import NodeMembership
 from mooncake_k8s.store.records import (
-    DRAM,
+    HIDDEN,
+    LEASE,
     MISS,
+    REF,
+    SLOW,
     Copy,
     Lease,
     Lookup,
@@ -63,7 +66,7 @@ from mooncake_k8s.store.records import (
     Rep,
     Segment,
     check_key,
-    encode_obj,
+    encode_entry,
     rep_pb,
 )
 from mooncake_k8s.store.tiering import TierPolicy
@@ -72,10 +75,14 @@ log = logging.getLogger(__name__)
 
 MAX_REPLICAS = 8
 MAX_LEASE_MS = 60_000
-#: Measured with tracemalloc over 100k committed single-replica objects with 32-char keys:
-#: ~505 B of records + the key, ~150 B more once a lookup caches the encoded replica list.
-BYTES_PER_OBJECT = 650
-BYTES_PER_EXTRA_REPLICA = 200
+#: Master RSS per committed single-replica object with a 32-char key, lookups included:
+#: 265 B at 1,000,000 objects (bench/master_mem_bench.py; 828 B before the records were
+#: compacted). The key string is ~96 of it, the `_objects` dict slot 42-84 (it doubles in
+#: steps), the `Obj` 64, its answer tail 64, its eviction queue slot 8.
+BYTES_PER_OBJECT = 270
+#: An object with several replicas keeps a list of them and its whole encoded answer: a
+#: second replica adds ~390 B, a third ~185 (tracemalloc, 10k objects).
+BYTES_PER_EXTRA_REPLICA = 400
 
 _EV = pb.BlockEvent
 _CMD = pb.NodeCommand
@@ -202,34 +209,31 @@ class MasterState(NodeMembership, TierPolicy):
             self._wake(node)
         return cmd_id
 
-    @staticmethod
-    def _changed(obj: Obj) -> None:
-        obj.wire = None
-        obj.ssd_only = bool(obj.reps) and all(r.seg.tier != DRAM for r in obj.reps)
-
     def _free_rep(self, obj: Obj, rep: Rep, committed: bool = True) -> None:
         seg = rep.seg
         if seg.alive:
-            seg.alloc.free(rep.offset)
+            size = obj.size
+            seg.alloc.free(rep.offset, size)
             if committed:
-                self._command(seg.node, _CMD.FREED, obj.key, seg, rep.offset, obj.size)
+                self._command(seg.node, _CMD.FREED, obj.key, seg, rep.offset, size)
 
     def _drop_rep(self, obj: Obj, rep: Rep, kind: int) -> None:
         """Take one replica away from a visible object (evicted, node gone, spilled away)."""
-        obj.reps.remove(rep)
-        self._changed(obj)
-        seg = rep.seg
-        seg.lru.pop(obj.key, None)
+        reps = obj.reps
+        reps.remove(rep)
         self._free_rep(obj, rep)
+        obj.set_reps(reps)
+        seg = rep.seg
+        seg.count -= 1  # its queue entry is stale now; scans skip it
         if kind:
             self._emit(kind, obj.key, obj.size, seg)
-        if not obj.reps and self._objects.get(obj.key) is obj:
+        if not reps and self._objects.get(obj.key) is obj:
             del self._objects[obj.key]
 
     def _release_hidden(self, obj: Obj) -> None:
         for rep in obj.reps:
             self._free_rep(obj, rep)
-        obj.reps = []
+        obj.set_reps([])
         self.hidden_objects -= 1
 
     # -- puts ------------------------------------------------------------------------------
@@ -282,6 +286,8 @@ class MasterState(NodeMembership, TierPolicy):
 
     def put_end(self, key: str, put_id: int, checksum: int) -> None:
         """Publish a written object: from now on lookups see it."""
+        if not 0 <= checksum < 1 << 64:  # (gRPC gives a uint64; in-process callers may not)
+            raise InvalidArgument(f"checksum must be an unsigned 64-bit integer, got {checksum}")
         with self._op():
             put = self._pending.get(put_id)
             if put is None:
@@ -298,11 +304,10 @@ class MasterState(NodeMembership, TierPolicy):
                 )
             self._end_pending(put, free=False)
             obj = Obj(key, put.size, checksum, put.reps)
-            self._changed(obj)
             self._objects[key] = obj
             for rep in put.reps:
                 seg = rep.seg
-                seg.lru[key] = obj
+                seg.enqueue(obj)
                 self._command(seg.node, _CMD.COMMITTED, key, seg, rep.offset, put.size, checksum)
                 self._emit(_EV.STORED, key, put.size, seg)
 
@@ -323,7 +328,7 @@ class MasterState(NodeMembership, TierPolicy):
         if free:
             for rep in put.reps:
                 if rep.seg.alive:
-                    rep.seg.alloc.free(rep.offset)
+                    rep.seg.alloc.free(rep.offset, put.size)
 
     def batch_put_start(self, items: Sequence[pb.PutStartRequest]) -> list[pb.PutStartResult]:
         out = []
@@ -385,18 +390,13 @@ class MasterState(NodeMembership, TierPolicy):
                 if obj is None:
                     add(MISS)
                     continue
-                wire = obj.wire
-                if wire is None:
-                    wire = obj.wire = encode_obj(obj)
-                    obj.mixed_hosts = len({r.seg.node.host_id for r in obj.reps}) > 1
-                if obj.mixed_hosts and client_host_id:
-                    wire = encode_obj(obj, client_host_id)
-                add(wire)
-                for rep in obj.reps:
-                    rep.seg.lru.move_to_end(key)
-                if obj.ssd_only and not obj.copying:
-                    self._promote(obj)
-                obj.leases += 1
+                state = obj.state
+                if state & SLOW:
+                    add(self._lookup_slow(obj, client_host_id))
+                    state = obj.state
+                else:  # one replica, in DRAM: its segment's shared head and its own tail
+                    add(obj.at.head + obj.tail)  # type: ignore[union-attr]
+                obj.state = (state | REF) + LEASE  # looked up (for eviction), leased
                 hold(obj)
             found = len(leased)
             self.hits += found
@@ -409,6 +409,22 @@ class MasterState(NodeMembership, TierPolicy):
             heapq.heappush(self._lease_heap, (expires, lease_id))
             return Lookup(entries, lease_id, int(self._wall() * 1000) + lease_ms, found)
 
+    def _lookup_slow(self, obj: Obj, client_host_id: str) -> bytes:
+        """The answer for an object with several replicas (or one, on SSD only): marks each
+        replica looked up, orders them for the client's host, queues a promotion to DRAM."""
+        at = obj.at
+        if isinstance(at, Segment):
+            wire = at.head + obj.tail
+        else:
+            for r in at:
+                r.ref = True
+            wire = obj.tail
+            if client_host_id and len({r.seg.node.host_id for r in at}) > 1:
+                wire = encode_entry(at, obj.size, obj.checksum, client_host_id)
+        if obj.ssd_only and not obj.copying:
+            self._promote(obj)
+        return wire
+
     def release_lease(self, lease_id: int) -> bool:
         """End a lease early; False if it is unknown (already released or expired)."""
         with self._op():
@@ -420,8 +436,8 @@ class MasterState(NodeMembership, TierPolicy):
 
     def _end_lease(self, lease: Lease) -> None:
         for obj in lease.objs:
-            obj.leases -= 1
-            if obj.leases == 0 and obj.hidden and obj.reps:
+            obj.state -= LEASE
+            if obj.state < LEASE and obj.state & HIDDEN and obj.at:
                 self._release_hidden(obj)
 
     def exists(self, keys: Sequence[str]) -> tuple[list[bool], int]:
@@ -463,9 +479,10 @@ class MasterState(NodeMembership, TierPolicy):
                 if obj is None:
                     out.append(False)
                     continue
+                size = obj.size
                 for rep in obj.reps:
-                    rep.seg.lru.pop(key, None)
-                    self._emit(_EV.REMOVED, key, obj.size, rep.seg)
+                    rep.seg.count -= 1  # its queue entry is stale now; scans skip it
+                    self._emit(_EV.REMOVED, key, size, rep.seg)
                 obj.hidden = True
                 self.hidden_objects += 1
                 if force or obj.leases == 0:
@@ -527,11 +544,11 @@ class MasterState(NodeMembership, TierPolicy):
             segs = [
                 pb.SegmentStats(
                     name=s.name, node_id=s.node.node_id, tier=s.tier, size=s.size,  # type: ignore[arg-type]
-                    used=s.alloc.used, objects=len(s.lru),
+                    used=s.alloc.used, objects=s.count,
                 )
                 for s in self._segments.values()
             ]
-            replicas = sum(len(s.lru) for s in self._segments.values())
+            replicas = sum(s.count for s in self._segments.values())
             n = len(self._objects)
             return pb.StatsResponse(
                 master_id=self.master_id, objects=n, pending_puts=len(self._pending),

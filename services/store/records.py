@@ -1,14 +1,18 @@
 """The master's records: nodes, segments, objects, puts, leases, copies, and their wire forms.
 
-Plain data with `__slots__` (the per-object footprint is what bounds how many keys one master
-holds) and the pure encoders that turn a record into protobuf bytes. No locks, no I/O: only
-`metadata.MasterState` creates and mutates these, under its one lock.
+Plain data with `__slots__` and the pure encoders that turn a record into protobuf bytes. No
+locks, no I/O: only `metadata.MasterState` creates and mutates these, under its one lock.
+
+The per-object footprint is what bounds how many keys one master holds, so an object is one
+small record (`Obj`) with no list, dict, set or cache of its own: its replica is inline, the
+part of its lookup answer that names the segment is shared by the whole segment
+(`Segment.head`), and its offset, size and checksum live only in its pre-encoded answer tail.
 """
 
 from __future__ import annotations
 
 import re
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -47,7 +51,21 @@ class Node:
 
 
 class Segment:
-    __slots__ = ("alive", "alloc", "lru", "name", "node", "path", "size", "spilling", "tier")
+    """A node's segment as the master sees it, with what its objects' lookups share.
+
+    `head` is the part of a lookup answer (a `GetReplicasResponse.objects` entry) that every
+    single-replica object of this segment shares: everything but the replica's offset and the
+    object's size and checksum, which each object keeps in its `tail` (`Obj`). Those three are
+    written as varints padded to a fixed width (`w` bytes for offset and size, 10 for the
+    checksum; the protobuf wire format allows non-minimal varints and any field order), so
+    every tail of the segment has one length and one shared head fits them all.
+
+    `queue` orders the segment's objects for eviction (see `evict_order`); it may hold stale
+    entries (objects gone from here), which scans skip and `enqueue` compacts away.
+    """
+
+    __slots__ = ("alive", "alloc", "count", "head", "name", "node", "path", "queue", "size",
+                 "spilling", "tier", "w")
 
     def __init__(self, node: Node, info: pb.SegmentInfo) -> None:
         self.node = node
@@ -55,39 +73,206 @@ class Segment:
         self.tier: int = info.tier
         self.size: int = info.size
         self.path: str = info.path
-        self.alloc = SegmentAllocator(info.size)
-        self.lru: OrderedDict[str, Obj] = OrderedDict()  # committed objects here, LRU first
+        self.alloc = SegmentAllocator(info.size, track=False)  # objects know their sizes
+        self.queue: deque[Obj] = deque()  # committed objects here, least recently used first
+        self.count = 0  # replicas here (the queue's live entries)
         self.spilling = 0  # bytes of replicas being copied away (freed when the copy is done)
         self.alive = True
+        self.w = len(varint(max(info.size, 1)))  # any offset or object size here fits w bytes
+        self.head = b""
+        self.refresh()
 
     def fill(self) -> float:
         return self.alloc.used / self.alloc.capacity if self.alloc.capacity else 1.0
 
+    def refresh(self) -> None:
+        """(Re)build `head` from the node's current address and host."""
+        node = self.node
+        fixed = pb.Replica(
+            node_id=node.node_id, address=node.address, host_id=node.host_id, segment=self.name,
+            tier=self.tier,  # type: ignore[arg-type]
+        ).SerializeToString() + pb.Replica(
+            segment_path=self.path, segment_size=self.size,
+        ).SerializeToString()
+        rep_len = len(fixed) + 1 + self.w  # + the offset field
+        body_len = 1 + len(varint(rep_len)) + rep_len + (TAIL_FIXED + self.w)
+        self.head = b"\x0a" + varint(body_len) + b"\x22" + varint(rep_len) + fixed + b"\x30"
+
+    def tail(self, offset: int, size: int, checksum: int) -> bytes:
+        """An object's own part of its lookup answer: offset, found, size, checksum."""
+        w = self.w
+        return (padded(offset, w) + b"\x08\x01\x10" + padded(size, w) + b"\x18"
+                + padded(checksum, 10))
+
+    def enqueue(self, obj: Obj) -> None:
+        """`obj` now has a replica here: it is the most recently used one."""
+        self.queue.append(obj)
+        self.count += 1
+        if len(self.queue) > 2 * self.count + 64:
+            self.queue = deque(self.live())
+
+    def live(self) -> list[Obj]:
+        """The objects with a replica here, least recently used first (each once)."""
+        seen: set[int] = set()
+        out = []
+        for obj in self.queue:
+            if obj.on(self) and id(obj) not in seen:
+                seen.add(id(obj))
+                out.append(obj)
+        return out
+
 
 class Rep:
-    __slots__ = ("offset", "seg")
+    """One replica of an object that has several (or of a put in progress)."""
 
-    def __init__(self, seg: Segment, offset: int) -> None:
+    __slots__ = ("offset", "ref", "seg")
+
+    def __init__(self, seg: Segment, offset: int, ref: bool = False) -> None:
         self.seg = seg
         self.offset = offset
+        self.ref = ref  # looked up since its segment's eviction scan last passed it
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Rep) and other.seg is self.seg and other.offset == self.offset
+
+    def __hash__(self) -> int:
+        return hash((id(self.seg), self.offset))
+
+
+# Obj.state: flags in the low bits, the number of read leases above them.
+PINNED = 1
+HIDDEN = 2  # removed while leased: invisible, freed when the last lease ends
+COPYING = 4  # a spill or promotion copy of it is running
+SLOW = 8  # lookups take the general path: several replicas (or none), or SSD only
+REF = 16  # looked up since its segment's eviction scan last passed it (single replica)
+LEASE = 32  # one read lease
+TAIL_FIXED = 14  # bytes of a single-replica tail besides offset and size: tags, found, checksum
 
 
 class Obj:
-    __slots__ = ("checksum", "copying", "hidden", "key", "leases", "mixed_hosts", "pinned",
-                 "reps", "size", "ssd_only", "wire")
+    """A committed object in as few bytes as Python allows (the master's memory is its size
+    times the number of objects; see `metadata.BYTES_PER_OBJECT`).
+
+    One replica (the common case): `at` is its Segment and `tail` its own part of the lookup
+    answer (`Segment.tail`), so a lookup is `at.head + tail` and offset, size and checksum are
+    read back from the tail when needed. Otherwise `at` is the list of replicas and `tail` the
+    whole encoded answer (DRAM replicas first). The key is the `_objects` dict's own string.
+    """
+
+    __slots__ = ("at", "key", "state", "tail")
 
     def __init__(self, key: str, size: int, checksum: int, reps: list[Rep]) -> None:
         self.key = key
-        self.size = size
-        self.checksum = checksum
-        self.reps = reps
-        self.pinned = False
-        self.leases = 0
-        self.hidden = False
-        self.copying = False
-        self.ssd_only = False
-        self.mixed_hosts = False
-        self.wire: bytes | None = None  # cached encoded GetReplicasResponse.objects entry
+        self.state = 0
+        self.at: Segment | list[Rep] = []
+        self.tail = b""
+        self.set_reps(reps, size, checksum)
+
+    # -- replicas ----------------------------------------------------------------------------
+
+    @property
+    def reps(self) -> list[Rep]:
+        """The replicas, as a new list (change them with `set_reps`)."""
+        at = self.at
+        if isinstance(at, Segment):
+            return [Rep(at, varint_at(self.tail, 0), bool(self.state & REF))]
+        return list(at)
+
+    def set_reps(self, reps: list[Rep], size: int = -1, checksum: int = -1) -> None:
+        if size < 0:
+            size, checksum = self.size, self.checksum
+        state = self.state & ~(SLOW | REF)
+        if len(reps) == 1:
+            rep = reps[0]
+            seg = self.at = rep.seg
+            self.tail = seg.tail(rep.offset, size, checksum)
+            self.state = state | (REF if rep.ref else 0) | (SLOW if seg.tier != DRAM else 0)
+        else:
+            if isinstance(self.at, Segment) and self.state & REF:
+                for r in reps:
+                    r.ref = r.ref or r.seg is self.at
+            self.at = list(reps)
+            self.tail = encode_entry(self.at, size, checksum)
+            self.state = state | SLOW
+
+    def on(self, seg: Segment) -> bool:
+        """Whether a visible replica of this object is on `seg`."""
+        at = self.at
+        if self.state & HIDDEN:
+            return False
+        return at is seg if isinstance(at, Segment) else any(r.seg is seg for r in at)
+
+    def rep_on(self, seg: Segment) -> Rep:
+        return next(r for r in self.reps if r.seg is seg)
+
+    def take_ref(self, seg: Segment) -> bool:
+        """Whether it was looked up since the last call for `seg`; clears that mark."""
+        at = self.at
+        if isinstance(at, Segment):
+            ref = bool(self.state & REF)
+            self.state &= ~REF
+            return ref
+        for r in at:
+            if r.seg is seg:
+                ref, r.ref = r.ref, False
+                return ref
+        return False
+
+    @property
+    def ssd_only(self) -> bool:
+        at = self.at
+        if isinstance(at, Segment):
+            return at.tier != DRAM
+        return bool(at) and all(r.seg.tier != DRAM for r in at)
+
+    # -- fields kept in the tail -------------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        at = self.at
+        if isinstance(at, Segment):
+            return varint_at(self.tail, at.w + 3)
+        return entry_fields(self.tail)[0]
+
+    @property
+    def checksum(self) -> int:
+        at = self.at
+        if isinstance(at, Segment):
+            return varint_at(self.tail, 2 * at.w + 4)
+        return entry_fields(self.tail)[1]
+
+    # -- flags -------------------------------------------------------------------------------
+
+    @property
+    def leases(self) -> int:
+        return self.state // LEASE
+
+    def _flag(self, bit: int, on: bool) -> None:
+        self.state = self.state | bit if on else self.state & ~bit
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.state & PINNED)
+
+    @pinned.setter
+    def pinned(self, on: bool) -> None:
+        self._flag(PINNED, on)
+
+    @property
+    def hidden(self) -> bool:
+        return bool(self.state & HIDDEN)
+
+    @hidden.setter
+    def hidden(self, on: bool) -> None:
+        self._flag(HIDDEN, on)
+
+    @property
+    def copying(self) -> bool:
+        return bool(self.state & COPYING)
+
+    @copying.setter
+    def copying(self, on: bool) -> None:
+        self._flag(COPYING, on)
 
 
 class Pending:
@@ -182,14 +367,66 @@ def rep_pb(r: Rep) -> pb.Replica:
     )
 
 
-def encode_obj(obj: Obj, host_id: str = "") -> bytes:
-    reps = sorted(
-        obj.reps,
-        key=lambda r: (bool(host_id) and r.seg.node.host_id != host_id, r.seg.tier != DRAM),
+def encode_entry(reps: list[Rep], size: int, checksum: int, host_id: str = "") -> bytes:
+    """The canonical `GetReplicasResponse.objects` entry of an object: DRAM replicas first,
+    and with `host_id` that host's replicas before all others."""
+    ordered = sorted(
+        reps, key=lambda r: (bool(host_id) and r.seg.node.host_id != host_id, r.seg.tier != DRAM)
     )
     body = pb.ObjectReplicas(
-        found=True, size=obj.size, checksum=obj.checksum, replicas=[rep_pb(r) for r in reps]
+        found=True, size=size, checksum=checksum, replicas=[rep_pb(r) for r in ordered]
     ).SerializeToString()
     return b"\x0a" + varint(len(body)) + body
 
 
+def encode_obj(obj: Obj, host_id: str = "") -> bytes:
+    """`obj`'s lookup answer for a client on `host_id`."""
+    at = obj.at
+    if isinstance(at, Segment) and not host_id:
+        return at.head + obj.tail
+    return encode_entry(obj.reps, obj.size, obj.checksum, host_id)
+
+
+def padded(n: int, width: int) -> bytes:
+    """`n` as a varint of exactly `width` bytes (continuation bits on zero-valued bytes)."""
+    if n < 0 or n >> (7 * width):
+        raise ValueError(f"{n} does not fit a {width}-byte varint")
+    out = bytearray(width)
+    for i in range(width - 1):
+        out[i] = (n & 0x7F) | 0x80
+        n >>= 7
+    out[width - 1] = n
+    return bytes(out)
+
+
+def varint_at(buf: bytes, pos: int) -> int:
+    """The varint that starts at `buf[pos]`."""
+    n = shift = 0
+    while True:
+        b = buf[pos]
+        n |= (b & 0x7F) << shift
+        if b < 0x80:
+            return n
+        pos += 1
+        shift += 7
+
+
+def entry_fields(entry: bytes) -> tuple[int, int]:
+    """(size, checksum) of a canonical `encode_entry` answer."""
+    pos = 1
+    while entry[pos] >= 0x80:  # the entry's length
+        pos += 1
+    pos += 1
+    size = checksum = 0
+    while pos < len(entry) and entry[pos] in (0x08, 0x10, 0x18):
+        tag = entry[pos]
+        value = varint_at(entry, pos + 1)
+        pos += 1
+        while entry[pos] >= 0x80:
+            pos += 1
+        pos += 1
+        if tag == 0x10:
+            size = value
+        elif tag == 0x18:
+            checksum = value
+    return size, checksum

@@ -8,6 +8,17 @@ The watermark rule, on every tier: no allocation ever takes a segment above its 
 (`_room`), whether it is a new object, a spill destination or a promotion; the only exception
 is one object larger than the watermark alone, placed in an empty segment.
 
+Eviction order is approximate LRU, the CLOCK ("second chance") way: each segment keeps its
+objects in a queue in the order they arrived, and a lookup only sets a mark on the object
+(`REF` in `Obj.state`, one flag per replica for objects with several). A scan for victims
+walks the queue from its head; a marked object loses its mark and goes to the tail instead
+of being taken, so an object looked up since the scan last passed it is spared for one more
+round. For the plain cases that is exactly LRU (an object read since it was stored outlives
+one that was not); it differs only in the order among objects that were all read between two
+scans. An exact LRU list (an OrderedDict moved to the end on every lookup) cost ~100 bytes per
+object and a dict operation per looked-up key; the queue costs 8 bytes and lookups touch
+nothing but the object itself.
+
 A DRAM segment that has no room for a new object starts spilling down to its low watermark
 (with room for the object), LRU first: each victim is copied to an SSD segment of its node that
 has room, made there if need be by evicting the SSD's own LRU objects (the coldest in the
@@ -20,11 +31,23 @@ watermark anyway (rebuilt from an inventory, say) is shrunk to its low watermark
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from mooncake_k8s.common.errors import NoSpace, ObjectTooLarge
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.store.records import DRAM, SSD, Copy, Node, Obj, Rep, Segment
+from mooncake_k8s.store.records import (
+    COPYING,
+    DRAM,
+    LEASE,
+    PINNED,
+    SSD,
+    Copy,
+    Node,
+    Obj,
+    Rep,
+    Segment,
+)
 
 _EV = pb.BlockEvent
 _CMD = pb.NodeCommand
@@ -99,7 +122,7 @@ class TierPolicy:
                     used.add(seg.node.node_id)
         if len(chosen) < n:
             for r in chosen:
-                r.seg.alloc.free(r.offset)
+                r.seg.alloc.free(r.offset, size)
             raise NoSpace(
                 f"no space for {size} bytes x{n}: everything evictable is leased, pinned or "
                 "being written"
@@ -117,17 +140,37 @@ class TierPolicy:
         return seg.alloc.alloc(size)
 
     def _evictable(self, seg: Segment, deficit: int, pinned_ok: bool) -> tuple[list[Obj], int]:
-        """LRU-first victims on `seg` whose replicas free at least `deficit` bytes, if possible."""
+        """LRU-first victims on `seg` whose replicas free at least `deficit` bytes, if possible.
+
+        The CLOCK scan (see the module docstring): stale entries are dropped, marked objects
+        lose their mark and move to the tail, and the rest (victims, and objects that cannot
+        go now: leased, being copied, pinned) go back to the head in their order, so the
+        victims stay first in line whether or not the caller evicts them all. It walks the
+        queue at most twice: the second round meets the objects the first one unmarked.
+        """
         victims: list[Obj] = []
+        kept: list[Obj] = []
+        seen: set[int] = set()
         gain = 0
         rounded = seg.alloc.rounded
-        for obj in seg.lru.values():
-            if obj.leases or obj.copying or (obj.pinned and not pinned_ok):
+        queue = seg.queue
+        busy = COPYING | (0 if pinned_ok else PINNED)
+        for _ in range(2 * len(queue)):
+            if gain >= deficit or not queue:
+                break
+            obj = queue.popleft()
+            if not obj.on(seg) or id(obj) in seen:
+                continue  # stale: it left this segment, or a later entry of it was seen
+            if obj.take_ref(seg):
+                queue.append(obj)  # second chance
+                continue
+            seen.add(id(obj))
+            kept.append(obj)
+            if obj.state >= LEASE or obj.state & busy:
                 continue
             victims.append(obj)
             gain += rounded(obj.size)
-            if gain >= deficit:
-                break
+        queue.extendleft(reversed(kept))
         return victims, gain
 
     def _alloc_evicting(self, seg: Segment, size: int) -> int | None:
@@ -139,9 +182,9 @@ class TierPolicy:
             if off is not None:
                 return off
         for pinned_ok in (False, True):
-            _, total = self._evictable(seg, 1 << 62, pinned_ok)
-            if seg.alloc.used - total + need > limit:
-                continue
+            enough = math.ceil(seg.alloc.used + need - limit)
+            if enough > 0 and self._evictable(seg, enough, pinned_ok)[1] < enough:
+                continue  # evicting everything allowed would not bring it under the limit
             while True:
                 deficit = max(int(seg.alloc.used + need - limit), need - seg.alloc.free_bytes, 1)
                 victims, _ = self._evictable(seg, deficit, pinned_ok)
@@ -156,11 +199,9 @@ class TierPolicy:
         return None
 
     def _evict(self, obj: Obj, seg: Segment) -> None:
-        for rep in obj.reps:
-            if rep.seg is seg:
-                self._drop_rep(obj, rep, _EV.EVICTED)
-                self.evictions += 1
-                return
+        if obj.on(seg):
+            self._drop_rep(obj, obj.rep_on(seg), _EV.EVICTED)
+            self.evictions += 1
 
     # -- shrinking and spilling ----------------------------------------------------------------
 
@@ -187,15 +228,16 @@ class TierPolicy:
             for obj in victims:
                 if seg.alloc.used - seg.spilling <= target:
                     return
-                rep = next(r for r in obj.reps if r.seg is seg)
-                if ssds and not any(r.seg.tier == SSD for r in obj.reps):
+                reps = obj.reps
+                rep = next(r for r in reps if r.seg is seg)
+                if ssds and not any(r.seg.tier == SSD for r in reps):
                     dst = self._spill_target(ssds, rounded(obj.size))
                     off = dst.alloc.alloc(obj.size) if dst is not None else None
                     if dst is not None and off is not None:
                         seg.spilling += rounded(obj.size)
                         self._start_copy("spill", obj, rep, Rep(dst, off))
                         continue
-                if spill_only and not any(r.seg.tier == SSD for r in obj.reps):
+                if spill_only and not any(r.seg.tier == SSD for r in reps):
                     return  # could not be spilled: it stays
                 self._drop_rep(obj, rep, _EV.EVICTED)  # (a copy on SSD is kept, if any)
                 self.evictions += 1
