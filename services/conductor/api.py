@@ -5,17 +5,23 @@ Request path, top-down: this module parses and validates (protocol), tokenises, 
 A streaming response's headers are sent only when the first token exists, so anything that
 fails before then (bad input, no capacity, every attempt failed) is a plain HTTP error with
 the right status, not a 200 with an error buried in the stream.
+
+Bodies are read and decoded under `bodies.EdgeLimits` before anything else looks at them. A
+client that goes away cancels its request: aiohttp cancels the handler (handler_cancellation),
+or a write to the closed stream fails, and either way the pipeline's generators are closed at
+once, which cancels the gRPC calls, so the decode worker drops the sequence and its KV. That
+is an ordinary event, logged at INFO, never a traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -24,6 +30,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from mooncake_k8s.common import tracing
 from mooncake_k8s.common.rpc import serving_pb2 as pb
 from mooncake_k8s.conductor.admission import PRIORITIES
+from mooncake_k8s.conductor.bodies import EdgeLimits, decode_json, read_body
+from mooncake_k8s.conductor.listener import HeaderDeadlines
 from mooncake_k8s.conductor.metrics import ConductorMetrics
 from mooncake_k8s.conductor.pipeline import Delta, Generation, Outcome, Pipeline
 from mooncake_k8s.conductor.protocol import (
@@ -60,8 +68,9 @@ class Frontend:
 
     def __init__(self, pipeline: Pipeline, metrics: ConductorMetrics,
                  api_keys: dict[str, str] | None, served_model: str | None,
-                 use_prefix_cache: bool = True) -> None:
+                 use_prefix_cache: bool = True, limits: EdgeLimits | None = None) -> None:
         self.pipeline = pipeline
+        self.limits = limits or EdgeLimits()
         self.metrics = metrics
         self.api_keys = api_keys
         self.served_model = served_model
@@ -151,7 +160,8 @@ class Frontend:
         header = request.headers.get("Authorization", "")
         presented = header[7:] if header.startswith("Bearer ") else ""
         for key, tenant in self.api_keys.items():
-            if hmac.compare_digest(key.encode(), presented.encode()):
+            # aiohttp keeps undecodable header bytes as surrogates: encode them back, not fail
+            if hmac.compare_digest(key.encode(), presented.encode("utf-8", "surrogateescape")):
                 return tenant
         raise ApiError(401, "Incorrect API key provided" if presented else
                        "Missing API key: send 'Authorization: Bearer <key>'",
@@ -165,10 +175,8 @@ class Frontend:
             if priority not in PRIORITIES:
                 raise ApiError(400, f"X-Mooncake-Priority must be one of {', '.join(PRIORITIES)}"
                                     f", not {priority!r}", param="X-Mooncake-Priority")
-            try:
-                body = await request.json(loads=json.loads)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ApiError(400, f"invalid JSON body: {e}") from None
+            raw = await read_body(request, self.limits)
+            body = decode_json(raw, self.limits.max_json_depth)
             req: _Common = parse(ChatRequest if kind == "chat" else CompletionRequest, body)
             with tracing.span("conductor.request", endpoint=endpoint):
                 gen, max_tokens = await self._prepare(req, kind, tenant)
@@ -234,21 +242,35 @@ class Frontend:
         try:
             if req.stream:
                 resp = await self._stream(request, req, kind, gen, out)
+                if resp is None:  # the client went away mid-stream
+                    self._hung_up(request, gen, out, endpoint)
+                    return web.Response(status=499)  # never sent: the connection is gone
             else:
                 text = []
-                async for d in self.pipeline.run(gen, out):
-                    text.append(d.text)
+                async with contextlib.aclosing(self.pipeline.run(gen, out)) as events:
+                    async for d in events:
+                        text.append(d.text)
                 resp = web.json_response(self._full_body(req, kind, gen, out, "".join(text)))
                 resp.headers.update(self._route_headers(out))
             self._observe(out, endpoint, "200")
             return resp
         except ApiError:
             raise
-        except (ConnectionResetError, asyncio.CancelledError):
-            self.metrics.requests.labels(endpoint, "client_closed").inc()
+        except asyncio.CancelledError:
+            self._hung_up(request, gen, out, endpoint)
             raise
         finally:
             self.metrics.inflight.dec()
+
+    def _hung_up(self, request: web.Request, gen: Generation, out: Outcome,
+                 endpoint: str) -> None:
+        self.metrics.requests.labels(endpoint, "client_closed").inc()
+        transport = request.transport
+        why = ("the client closed the connection" if transport is None or transport.is_closing()
+               else "the server is stopping")
+        log.info(f"request cancelled: {why}",
+                 extra={"request_id": gen.request_id, "endpoint": endpoint,
+                        "completion_tokens": out.completion_tokens})
 
     def _observe(self, out: Outcome, endpoint: str, status: str) -> None:
         now = time.monotonic()
@@ -292,7 +314,8 @@ class Frontend:
                 "model": req.model, "choices": [choice], "usage": self._usage(out)}
 
     async def _stream(self, request: web.Request, req: _Common, kind: str, gen: Generation,
-                      out: Outcome) -> web.StreamResponse:
+                      out: Outcome) -> web.StreamResponse | None:
+        """The SSE response, or None when a write failed because the client went away."""
         created = int(time.time())
         chat = kind == "chat"
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -317,31 +340,39 @@ class Frontend:
             return body
 
         resp: web.StreamResponse | None = None
-        events: AsyncIterator[Delta] = self.pipeline.run(gen, out)
         try:
-            async for d in events:
-                if resp is None:
-                    resp = web.StreamResponse(headers={
-                        "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                        **self._route_headers(out)})
-                    await resp.prepare(request)
-                    await _sse(resp, chunk(d, True))
-                else:
-                    await _sse(resp, chunk(d, False))
+            async with contextlib.aclosing(self.pipeline.run(gen, out)) as events:
+                async for d in events:
+                    if resp is None:
+                        resp = web.StreamResponse(headers={
+                            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                            **self._route_headers(out)})
+                        await resp.prepare(request)
+                        await _sse(resp, chunk(d, True))
+                    else:
+                        await _sse(resp, chunk(d, False))
         except ApiError as e:
             if resp is None:
                 raise
-            await _sse(resp, e.body())  # the OpenAI clients raise on an "error" event
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
+            try:
+                await _sse(resp, e.body())  # the OpenAI clients raise on an "error" event
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+            except ConnectionError:
+                return None
             self._observe(out, "stream", str(e.status))
             return resp
+        except ConnectionError:  # leaving the `async with` closed the pipeline: calls cancelled
+            return None
         assert resp is not None
-        if include_usage:
-            await _sse(resp, {"id": rid, "object": obj, "created": created, "model": req.model,
-                              "choices": [], "usage": self._usage(out)})
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        try:
+            if include_usage:
+                await _sse(resp, {"id": rid, "object": obj, "created": created,
+                                  "model": req.model, "choices": [], "usage": self._usage(out)})
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionError:
+            return None
         return resp
 
 
@@ -361,15 +392,23 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         raise
     except ApiError as e:
         return web.json_response(e.body(), status=e.status, headers=getattr(e, "headers", None))
-    except (ConnectionResetError, asyncio.CancelledError):
-        raise
+    except ConnectionError as e:  # e.g. the client left while sending its body
+        log.info("the client closed the connection", extra={"path": request.path,
+                                                            "error": str(e)})
+        return web.Response(status=499)  # never sent: the connection is gone
     except Exception:
         log.exception("unhandled error", extra={"path": request.path})
         err = ApiError(500, "internal server error", type_="server_error")
         return web.json_response(err.body(), status=500)
 
 
-def make_app(frontend: Frontend) -> web.Application:
-    app = web.Application(middlewares=[_errors], client_max_size=32 << 20)
+def make_app(frontend: Frontend, deadlines: HeaderDeadlines | None = None
+             ) -> web.Application:
+    """The application; with `deadlines`, serve it with `deadlines.serve` (see `listener`)."""
+    middlewares: list[Any] = [_errors]
+    if deadlines is not None:
+        middlewares.insert(0, deadlines.middleware)
+    app = web.Application(middlewares=middlewares,
+                          client_max_size=frontend.limits.max_body_bytes)
     app.add_routes(frontend.routes())
     return app
