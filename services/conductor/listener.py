@@ -10,6 +10,10 @@ This is nginx's `client_header_timeout` split, with aiohttp's own keep-alive tim
 idle time between requests. The body has its own deadline (`bodies.read_body`), and nothing
 limits a response being streamed: generation may legitimately take minutes.
 
+Requests aiohttp cannot parse (a bad header, Content-Length with chunked, a line too long)
+never reach the application; `EdgeRequestHandler` answers them in OpenAI's error shape too and
+logs one INFO line, where aiohttp would log an ERROR with a traceback for every such request.
+
 `Conductor` calls `HeaderDeadlines.serve`; `api.make_app` installs its middleware.
 """
 
@@ -18,8 +22,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
+from aiohttp.web_request import BaseRequest
+
+from mooncake_k8s.conductor.protocol import ApiError
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +47,21 @@ class HeaderDeadlines:
     def open_connections(self) -> int:
         return len(self._guards)
 
-    async def serve(self, runner: web.BaseRunner, host: str, port: int) -> asyncio.Server:
+    async def serve(self, runner: web.BaseRunner, host: str, port: int,
+                    **handler_args: Any) -> asyncio.Server:
         """Listen on host:port with `runner`'s server behind the deadlines (in place of a
-        `web.TCPSite`; close the returned server before `runner.cleanup()`)."""
+        `web.TCPSite`; close the returned server before `runner.cleanup()`). The connections'
+        handlers are `EdgeRequestHandler`s built with `handler_args` (`keepalive_timeout`,
+        `access_log`, ...: `web.RequestHandler`'s keywords), not with the runner's."""
         server = runner.server
         if server is None:
             raise RuntimeError("call runner.setup() before serve()")
         loop = asyncio.get_running_loop()
-        return await loop.create_server(lambda: _Guard(self, server()), host, port,
-                                        reuse_address=True)
+
+        def connection() -> _Guard:
+            return _Guard(self, EdgeRequestHandler(server, loop=loop, **handler_args))
+
+        return await loop.create_server(connection, host, port, reuse_address=True)
 
     @property
     def middleware(self) -> Callable[..., Awaitable[web.StreamResponse]]:
@@ -133,3 +147,24 @@ class _Guard(asyncio.Protocol):
                  extra={"peer": str(peer), "timeout_s": self.owner.timeout_s})
         self.owner.on_expired()
         self.transport.close()
+
+
+class EdgeRequestHandler(web.RequestHandler):
+    """aiohttp's connection handler, answering unparseable requests as the API answers bad
+    ones: an OpenAI error body and an INFO line, not a text page and an ERROR traceback."""
+
+    def handle_error(self, request: BaseRequest, status: int = 500,
+                     exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status >= 500:
+            return super().handle_error(request, status, exc, message)
+        lines = [line.strip() for line in (message or str(exc or "")).splitlines()]
+        reason = " ".join(line for line in lines if line.strip("^"))[:300]
+        log.info("malformed HTTP request", extra={"peer": request.remote, "status": status,
+                                                  "error": reason})
+        if request.writer.output_size > 0:
+            raise ConnectionError("a response was already sent; cannot send the error")
+        resp = web.json_response(ApiError(status, f"malformed HTTP request: {reason}").body(),
+                                 status=status)
+        resp.force_close()
+        return resp

@@ -95,13 +95,12 @@ class Conductor:
         # handler_cancellation: a client that hangs up cancels its handler, and with it the
         # gRPC calls, even while nothing is being written (prefill, a non-streamed request).
         # auto_decompress off: compressed bodies are refused (415), never inflated.
-        self._runner = web.AppRunner(
-            make_app(self.frontend, self.deadlines), access_log=None,
-            handler_cancellation=True, keepalive_timeout=self.config.limits.idle_timeout_s,
-            auto_decompress=False)
+        self._runner = web.AppRunner(make_app(self.frontend, self.deadlines),
+                                     handler_cancellation=True)
         await self._runner.setup()
-        self._listener = await self.deadlines.serve(self._runner, self.config.host,
-                                                    self.config.port)
+        self._listener = await self.deadlines.serve(
+            self._runner, self.config.host, self.config.port, access_log=None,
+            keepalive_timeout=self.config.limits.idle_timeout_s, auto_decompress=False)
         sockets = list(self._listener.sockets)
         self.port = sockets[0].getsockname()[1] if sockets else self.config.port
 

@@ -146,6 +146,20 @@ def test_malformed_bodies_are_a_specific_400(cluster: LocalCluster, path: str, b
     assert fragment in err["message"], err
 
 
+@pytest.mark.parametrize(("request_bytes", "fragment"), [
+    (b"GET /v1/models HTTP/1.1\r\nHost: t\r\nBad Header\r\n\r\n", "Invalid header token"),
+    (_head(COMPLETIONS, 5, "Transfer-Encoding: chunked\r\n") + b"0\r\n\r\n",
+     "Transfer-Encoding can't be present with Content-Length"),
+    (b"GET /v1/models HTTP/1.1\r\nHost: t\r\nX-Big: " + b"a" * 10_000 + b"\r\n\r\n",
+     "Got more than 8190 bytes"),
+])
+def test_unparseable_http_is_400_in_the_openai_shape(cluster: LocalCluster,
+                                                    request_bytes: bytes, fragment: str) -> None:
+    status, err = _status_and_error(_raw(cluster, request_bytes))
+    assert status == 400 and err["type"] == "invalid_request_error"
+    assert err["message"].startswith("malformed HTTP request: ") and fragment in err["message"]
+
+
 def test_an_oversized_body_is_413_before_it_is_read(cluster: LocalCluster) -> None:
     rss0 = _conductor_rss_kib(cluster)
     big = b'{"model": "%s", "prompt": "' % _M + b"a" * (10 << 20) + b'"}'
@@ -283,6 +297,7 @@ def test_hang_ups_are_an_info_line_and_nothing_was_a_500(cluster: LocalCluster) 
     log = cluster.procs["conductor"].log()
     assert "INFO request cancelled: the client closed the connection" in log
     assert "INFO closing a connection that sent no complete request head in time" in log
+    assert "INFO malformed HTTP request" in log
     assert "Traceback" not in log and " ERROR " not in log, log[-4000:]
     decode_log = cluster.procs["decode-0"].log()
     assert "Traceback" not in decode_log, decode_log[-4000:]

@@ -4,6 +4,8 @@ kept-alive connections and slow handlers do not."""
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import time
 from collections.abc import Awaitable, Callable
 
@@ -27,9 +29,10 @@ async def _serve(deadlines: HeaderDeadlines) -> tuple[web.AppRunner, asyncio.Ser
 
     app = web.Application(middlewares=[deadlines.middleware])
     app.add_routes([web.get("/ok", ok), web.get("/slow", slow)])
-    runner = web.AppRunner(app, access_log=None, keepalive_timeout=30)
+    runner = web.AppRunner(app)
     await runner.setup()
-    listener = await deadlines.serve(runner, "127.0.0.1", 0)
+    listener = await deadlines.serve(runner, "127.0.0.1", 0, access_log=None,
+                                     keepalive_timeout=30)
     return runner, listener, listener.sockets[0].getsockname()[1]
 
 
@@ -122,3 +125,23 @@ def test_a_silent_new_connection_is_closed() -> None:
     _run(body)
 
 
+
+
+def test_an_unparseable_request_gets_an_openai_error_and_an_info_line(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async def body(port: int, deadlines: HeaderDeadlines, expired: list[int]) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /ok HTTP/1.1\r\nHost: t\r\nBad Header\r\n\r\n")
+        reply = await reader.read()  # the server closes after the error
+        head, _, payload = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.0 400 ") and b"application/json" in head
+        err = json.loads(payload)["error"]
+        assert err["type"] == "invalid_request_error"
+        assert err["message"] == "malformed HTTP request: Invalid header token: b'Bad Header'"
+        writer.close()
+
+    with caplog.at_level(logging.INFO):
+        _run(body)
+    records = [(r.name, r.levelname, r.getMessage(), r.exc_info) for r in caplog.records]
+    assert ("mooncake_k8s.conductor.listener", "INFO", "malformed HTTP request", None) in records
+    assert not [r for r in records if r[1] in ("ERROR", "WARNING")], records
