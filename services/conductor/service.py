@@ -13,7 +13,7 @@ from aiohttp import web
 
 from mooncake_k8s.conductor import costmodel
 from mooncake_k8s.conductor.admission import SLO, AdmissionConfig
-from mooncake_k8s.conductor.api import Frontend, load_api_keys, make_app
+from mooncake_k8s.conductor.api import Frontend, load_api_keys, make_app, max_token_bytes
 from mooncake_k8s.conductor.bodies import EdgeLimits
 from mooncake_k8s.conductor.instances import InstancePool
 from mooncake_k8s.conductor.kvindex import IndexFeeder, KVIndex
@@ -106,7 +106,9 @@ class Conductor:
 
     def _load_tokenizer(self) -> None:
         try:
-            self.frontend.tokenizer = load_tokenizer(self.config.engine)
+            tokenizer = load_tokenizer(self.config.engine)
+            self.frontend.max_token_bytes = max_token_bytes(tokenizer)
+            self.frontend.tokenizer = tokenizer
         except Exception as e:
             self.frontend.tokenizer_error = f"{type(e).__name__}: {e}"
             log.exception("tokenizer failed to load")
