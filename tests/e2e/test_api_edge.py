@@ -184,6 +184,22 @@ def test_a_body_just_under_the_limit_is_parsed(cluster: LocalCluster) -> None:
     assert status == 200, resp
 
 
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_text_that_cannot_fit_is_refused_before_tokenising(cluster: LocalCluster,
+                                                           path: str) -> None:
+    text = "lorem ipsum " * 250_000  # 3 MB: under the body limit, far over 8k tokens
+    if path == CHAT:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": text}]}
+    else:
+        body = {"model": MODEL, "prompt": text}
+    status, resp = _post(cluster, path, json.dumps(body).encode())
+    assert status == 400 and resp["error"]["code"] == "context_length_exceeded", resp
+    # "at least": the bound from the text's size, so the tokenizer never ran on it.
+    assert "the prompt has at least" in resp["error"]["message"]
+    counted = len(text.strip()) if path == CHAT else len(text)  # chat templates may trim
+    assert f"({counted} bytes of text)" in resp["error"]["message"]
+
+
 def test_compressed_and_slow_bodies_are_refused(cluster: LocalCluster) -> None:
     status, err = _status_and_error(
         _raw(cluster, _head(COMPLETIONS, 10, "Content-Encoding: gzip\r\n") + b"\x1f\x8b" * 5))
