@@ -255,6 +255,9 @@ _edge_opts = [
 @_with_logs
 def conductor(**o: Any) -> None:
     """Run the Conductor: the OpenAI-compatible front door and the global scheduler."""
+    if o["max_body_size"] < 1024:  # smaller could not hold an ordinary request
+        raise click.BadParameter(f"{o['max_body_size']} bytes is too small (at least 1KiB)",
+                                 param_hint="--max-body-size")
     o["host"] = _check_bind(o["host"], o["allow_any_address"])
     from mooncake_k8s.common.logs import setup_logging
     from mooncake_k8s.common.tracing import setup_tracing

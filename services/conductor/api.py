@@ -426,7 +426,12 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         raise
     except ApiError as e:
         return web.json_response(e.body(), status=e.status, headers=getattr(e, "headers", None))
-    except ConnectionError as e:  # e.g. the client left while sending its body
+    except ConnectionError as e:
+        if request.transport is not None and not request.transport.is_closing():
+            log.exception("unhandled error", extra={"path": request.path})
+            err = ApiError(500, "internal server error", type_="server_error")
+            return web.json_response(err.body(), status=500)
+        # The client left (e.g. while sending its body): nobody to answer, nothing went wrong.
         log.info("the client closed the connection", extra={"path": request.path,
                                                             "error": str(e)})
         return web.Response(status=499)  # never sent: the connection is gone
