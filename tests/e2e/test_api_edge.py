@@ -308,6 +308,43 @@ def test_a_hang_up_on_a_non_streamed_request_cancels_it(cluster: LocalCluster) -
     assert _decode_metric(cluster, "mooncake_decode_tokens_total") - tokens0 < 200
 
 
+def test_hang_ups_during_prefill_never_reach_decode(cluster: LocalCluster) -> None:
+    """Two long prompts, both abandoned while prefill works on the first: the second is
+    skipped where it waits (prefill cannot stop a forward pass midway, but it need not start
+    one for nobody), and decode never sees either."""
+    conductor, prefill = cluster.procs["conductor"], cluster.procs["prefill-0"]
+    closed = metric_value(conductor.metrics(), "mooncake_conductor_requests_total",
+                          'status="client_closed"')
+    skipped = metric_value(prefill.metrics(), "mooncake_prefill_requests_total",
+                           'result="cancelled"')
+    decode_requests = _decode_metric(cluster, "mooncake_decode_requests_total")
+    tokens0 = _decode_metric(cluster, "mooncake_decode_tokens_total")
+    sockets = []
+    for n in range(2):  # uncached prompts: ~10 s of prefill per 1000 tokens on the dev VM
+        prompt = [1000 + (i * 7919 + n) % 40_000 for i in range(1500)]
+        body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 500,
+                           "ignore_eos": True, "stream": True}).encode()
+        s = socket.create_connection(("127.0.0.1", cluster.port), timeout=120)
+        s.sendall(_head(COMPLETIONS, len(body)) + body)
+        sockets.append(s)
+    time.sleep(1.0)
+    for s in sockets:
+        s.settimeout(0.01)
+        with pytest.raises(TimeoutError):
+            s.recv(1)  # nothing yet: the client leaves before its first token
+        s.close()
+    _wait_for(lambda: metric_value(conductor.metrics(), "mooncake_conductor_requests_total",
+                                   'status="client_closed"') == closed + 2,
+              "the Conductor saw both hang-ups")
+    _wait_for(lambda: metric_value(prefill.metrics(), "mooncake_prefill_queued_tokens") == 0,
+              "prefill finished with both", timeout=180)
+    assert metric_value(prefill.metrics(), "mooncake_prefill_requests_total",
+                        'result="cancelled"') == skipped + 1
+    time.sleep(1.0)
+    assert _decode_metric(cluster, "mooncake_decode_requests_total") == decode_requests
+    assert _decode_metric(cluster, "mooncake_decode_tokens_total") == tokens0
+
+
 def test_hang_ups_are_an_info_line_and_nothing_was_a_500(cluster: LocalCluster) -> None:
     """Runs after the others in this module: their traffic is in the logs."""
     log = cluster.procs["conductor"].log()
@@ -320,4 +357,4 @@ def test_hang_ups_are_an_info_line_and_nothing_was_a_500(cluster: LocalCluster) 
     metrics = cluster.procs["conductor"].metrics()
     assert metric_value(metrics, "mooncake_conductor_requests_total", 'status="500"') == 0
     assert metric_value(metrics, "mooncake_conductor_requests_total",
-                        'status="client_closed"') >= 12
+                        'status="client_closed"') >= 14
