@@ -227,6 +227,23 @@ _sched_opts = [
 ]
 
 
+_SECONDS = click.FloatRange(min=0, min_open=True)
+_edge_opts = [
+    click.option("--max-body-size", envvar="MOONCAKE_MAX_BODY_SIZE", default="4MiB",
+                 show_default=True, show_envvar=True, type=SIZE,
+                 help="Larger request bodies get 413, before they are read or parsed."),
+    click.option("--header-timeout", envvar="MOONCAKE_HEADER_TIMEOUT", default=10.0,
+                 show_default=True, show_envvar=True, type=_SECONDS,
+                 help="Seconds a connection may take to send a request's head (slowloris)."),
+    click.option("--body-timeout", envvar="MOONCAKE_BODY_TIMEOUT", default=30.0,
+                 show_default=True, show_envvar=True, type=_SECONDS,
+                 help="Seconds a request's body may take to arrive (408 after)."),
+    click.option("--idle-timeout", envvar="MOONCAKE_IDLE_TIMEOUT", default=75.0,
+                 show_default=True, show_envvar=True, type=_SECONDS,
+                 help="Seconds a kept-alive connection may stay idle."),
+]
+
+
 @click.command("conductor")
 @_apply(_host_opts)
 @click.option("--port", envvar="MOONCAKE_CONDUCTOR_PORT", default=8000, show_default=True,
@@ -247,13 +264,18 @@ _sched_opts = [
               show_envvar=True, help="Export traces over OTLP/gRPC.")
 @_apply(_model_opts)
 @_apply(_sched_opts)
+@_apply(_edge_opts)
 @_token_opt
 @_with_logs
 def conductor(**o: Any) -> None:
     """Run the Conductor: the OpenAI-compatible front door and the global scheduler."""
+    if o["max_body_size"] < 1024:  # smaller could not hold an ordinary request
+        raise click.BadParameter(f"{o['max_body_size']} bytes is too small (at least 1KiB)",
+                                 param_hint="--max-body-size")
     o["host"] = _check_bind(o["host"], o["allow_any_address"])
     from mooncake_k8s.common.logs import setup_logging
     from mooncake_k8s.common.tracing import setup_tracing
+    from mooncake_k8s.conductor.bodies import EdgeLimits
     from mooncake_k8s.conductor.service import ConductorConfig, run_conductor
 
     setup_logging("conductor", o["log_level"], o["log_format"] == "json")
@@ -265,6 +287,9 @@ def conductor(**o: Any) -> None:
         api_keys_file=o["api_keys_file"], served_model_name=o["served_model_name"],
         use_prefix_cache=not o["no_prefix_cache"], policy=o["scheduler"],
         cost_model=o["cost_model"], ttft_slo_ms=o["ttft_slo_ms"], tbt_slo_ms=o["tbt_slo_ms"],
+        limits=EdgeLimits(max_body_bytes=o["max_body_size"],
+                          header_timeout_s=o["header_timeout"], body_timeout_s=o["body_timeout"],
+                          idle_timeout_s=o["idle_timeout"]),
     ))
 
 

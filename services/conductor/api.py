@@ -5,17 +5,23 @@ Request path, top-down: this module parses and validates (protocol), tokenises, 
 A streaming response's headers are sent only when the first token exists, so anything that
 fails before then (bad input, no capacity, every attempt failed) is a plain HTTP error with
 the right status, not a 200 with an error buried in the stream.
+
+Bodies are read and decoded under `bodies.EdgeLimits` before anything else looks at them. A
+client that goes away cancels its request: aiohttp cancels the handler (handler_cancellation),
+or a write to the closed stream fails, and either way the pipeline's generators are closed at
+once, which cancels the gRPC calls, so the decode worker drops the sequence and its KV. That
+is an ordinary event, logged at INFO, never a traceback.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -24,6 +30,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from mooncake_k8s.common import tracing
 from mooncake_k8s.common.rpc import serving_pb2 as pb
 from mooncake_k8s.conductor.admission import PRIORITIES
+from mooncake_k8s.conductor.bodies import EdgeLimits, decode_json, read_body
+from mooncake_k8s.conductor.listener import HeaderDeadlines
 from mooncake_k8s.conductor.metrics import ConductorMetrics
 from mooncake_k8s.conductor.pipeline import Delta, Generation, Outcome, Pipeline
 from mooncake_k8s.conductor.protocol import (
@@ -60,14 +68,17 @@ class Frontend:
 
     def __init__(self, pipeline: Pipeline, metrics: ConductorMetrics,
                  api_keys: dict[str, str] | None, served_model: str | None,
-                 use_prefix_cache: bool = True) -> None:
+                 use_prefix_cache: bool = True, limits: EdgeLimits | None = None) -> None:
         self.pipeline = pipeline
+        self.limits = limits or EdgeLimits()
         self.metrics = metrics
         self.api_keys = api_keys
         self.served_model = served_model
         self.use_prefix_cache = use_prefix_cache
         self.tokenizer: Any = None
         self.tokenizer_error: str | None = None
+        self.max_token_bytes: int | None = None
+        """The most bytes of text one token covers (`max_token_bytes`), None = unknown."""
 
     # -- model facts come from the workers' load reports ------------------------------------
 
@@ -151,7 +162,8 @@ class Frontend:
         header = request.headers.get("Authorization", "")
         presented = header[7:] if header.startswith("Bearer ") else ""
         for key, tenant in self.api_keys.items():
-            if hmac.compare_digest(key.encode(), presented.encode()):
+            # aiohttp keeps undecodable header bytes as surrogates: encode them back, not fail
+            if hmac.compare_digest(key.encode(), presented.encode("utf-8", "surrogateescape")):
                 return tenant
         raise ApiError(401, "Incorrect API key provided" if presented else
                        "Missing API key: send 'Authorization: Bearer <key>'",
@@ -165,10 +177,8 @@ class Frontend:
             if priority not in PRIORITIES:
                 raise ApiError(400, f"X-Mooncake-Priority must be one of {', '.join(PRIORITIES)}"
                                     f", not {priority!r}", param="X-Mooncake-Priority")
-            try:
-                body = await request.json(loads=json.loads)
-            except (json.JSONDecodeError, UnicodeDecodeError) as e:
-                raise ApiError(400, f"invalid JSON body: {e}") from None
+            raw = await read_body(request, self.limits)
+            body = decode_json(raw, self.limits.max_json_depth)
             req: _Common = parse(ChatRequest if kind == "chat" else CompletionRequest, body)
             with tracing.span("conductor.request", endpoint=endpoint):
                 gen, max_tokens = await self._prepare(req, kind, tenant)
@@ -188,12 +198,15 @@ class Frontend:
                                 f"'{name}'", param="model", code="model_not_found")
         if isinstance(req, ChatRequest):
             messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            # Chat templates may trim each message: count only what trimming keeps.
+            self._check_text_fits([m["content"].strip() for m in messages], "messages")
             tokens = await asyncio.to_thread(self._chat_tokens, messages)
             limit = req.max_completion_tokens or req.max_tokens
         else:
             assert isinstance(req, CompletionRequest)
             prompt = req.prompt_input()
             if isinstance(prompt, str):
+                self._check_text_fits([prompt], "prompt")
                 tokens = await asyncio.to_thread(self.tokenizer.encode, prompt)
             else:
                 vocab = len(self.tokenizer)
@@ -221,6 +234,21 @@ class Frontend:
         rid = uuid.uuid4().hex
         return Generation(rid, tokens, tenant, sampling, self.use_prefix_cache), max_tokens
 
+    def _check_text_fits(self, texts: list[str], param: str) -> None:
+        """Refuse text that cannot fit the context before paying to tokenise it: 4 MiB of
+        prompt costs ~3.4 s of CPU and ~0.6 GB of memory to tokenise on the dev VM, while no
+        prompt of more than context x max_token_bytes bytes can fit."""
+        ctx = self.max_context()
+        per_token = self.max_token_bytes
+        if not ctx or not per_token:
+            return
+        size = sum(len(t.encode()) for t in texts)
+        at_least = -(-size // per_token)
+        if at_least >= ctx:
+            raise ApiError(400, f"This model's maximum context length is {ctx} tokens; the "
+                                f"prompt has at least {at_least} ({size} bytes of text)",
+                           param=param, code="context_length_exceeded")
+
     def _chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
         out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                  tokenize=True)
@@ -234,21 +262,35 @@ class Frontend:
         try:
             if req.stream:
                 resp = await self._stream(request, req, kind, gen, out)
+                if resp is None:  # the client went away mid-stream
+                    self._hung_up(request, gen, out, endpoint)
+                    return web.Response(status=499)  # never sent: the connection is gone
             else:
                 text = []
-                async for d in self.pipeline.run(gen, out):
-                    text.append(d.text)
+                async with contextlib.aclosing(self.pipeline.run(gen, out)) as events:
+                    async for d in events:
+                        text.append(d.text)
                 resp = web.json_response(self._full_body(req, kind, gen, out, "".join(text)))
                 resp.headers.update(self._route_headers(out))
             self._observe(out, endpoint, "200")
             return resp
         except ApiError:
             raise
-        except (ConnectionResetError, asyncio.CancelledError):
-            self.metrics.requests.labels(endpoint, "client_closed").inc()
+        except asyncio.CancelledError:
+            self._hung_up(request, gen, out, endpoint)
             raise
         finally:
             self.metrics.inflight.dec()
+
+    def _hung_up(self, request: web.Request, gen: Generation, out: Outcome,
+                 endpoint: str) -> None:
+        self.metrics.requests.labels(endpoint, "client_closed").inc()
+        transport = request.transport
+        why = ("the client closed the connection" if transport is None or transport.is_closing()
+               else "the server is stopping")
+        log.info(f"request cancelled: {why}",
+                 extra={"request_id": gen.request_id, "endpoint": endpoint,
+                        "completion_tokens": out.completion_tokens})
 
     def _observe(self, out: Outcome, endpoint: str, status: str) -> None:
         now = time.monotonic()
@@ -292,7 +334,8 @@ class Frontend:
                 "model": req.model, "choices": [choice], "usage": self._usage(out)}
 
     async def _stream(self, request: web.Request, req: _Common, kind: str, gen: Generation,
-                      out: Outcome) -> web.StreamResponse:
+                      out: Outcome) -> web.StreamResponse | None:
+        """The SSE response, or None when a write failed because the client went away."""
         created = int(time.time())
         chat = kind == "chat"
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -317,32 +360,54 @@ class Frontend:
             return body
 
         resp: web.StreamResponse | None = None
-        events: AsyncIterator[Delta] = self.pipeline.run(gen, out)
         try:
-            async for d in events:
-                if resp is None:
-                    resp = web.StreamResponse(headers={
-                        "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                        **self._route_headers(out)})
-                    await resp.prepare(request)
-                    await _sse(resp, chunk(d, True))
-                else:
-                    await _sse(resp, chunk(d, False))
+            async with contextlib.aclosing(self.pipeline.run(gen, out)) as events:
+                async for d in events:
+                    if resp is None:
+                        resp = web.StreamResponse(headers={
+                            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                            **self._route_headers(out)})
+                        await resp.prepare(request)
+                        await _sse(resp, chunk(d, True))
+                    else:
+                        await _sse(resp, chunk(d, False))
         except ApiError as e:
             if resp is None:
                 raise
-            await _sse(resp, e.body())  # the OpenAI clients raise on an "error" event
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
+            try:
+                await _sse(resp, e.body())  # the OpenAI clients raise on an "error" event
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+            except ConnectionError:
+                return None
             self._observe(out, "stream", str(e.status))
             return resp
+        except ConnectionError:  # leaving the `async with` closed the pipeline: calls cancelled
+            return None
         assert resp is not None
-        if include_usage:
-            await _sse(resp, {"id": rid, "object": obj, "created": created, "model": req.model,
-                              "choices": [], "usage": self._usage(out)})
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        try:
+            if include_usage:
+                await _sse(resp, {"id": rid, "object": obj, "created": created,
+                                  "model": req.model, "choices": [], "usage": self._usage(out)})
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionError:
+            return None
         return resp
+
+
+def max_token_bytes(tokenizer: Any) -> int | None:
+    """The most bytes of input text one token of `tokenizer` can stand for, so that a text of
+    n bytes has at least n / max_token_bytes tokens. None when the tokenizer normalises text
+    first (NFC and the like can shrink it, and the bound would not hold) or is not a fast one."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.normalizer is not None:
+        return None
+    vocab = tokenizer.get_vocab()
+    # A lone byte of a multi-byte character decodes to U+FFFD (3 bytes): an overestimate,
+    # which only weakens the bound.
+    return max((len(tokenizer.convert_tokens_to_string([t]).encode()) for t in vocab),
+               default=0) or None
 
 
 async def _sse(resp: web.StreamResponse, body: dict[str, Any]) -> None:
@@ -361,15 +426,28 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         raise
     except ApiError as e:
         return web.json_response(e.body(), status=e.status, headers=getattr(e, "headers", None))
-    except (ConnectionResetError, asyncio.CancelledError):
-        raise
+    except ConnectionError as e:
+        if request.transport is not None and not request.transport.is_closing():
+            log.exception("unhandled error", extra={"path": request.path})
+            err = ApiError(500, "internal server error", type_="server_error")
+            return web.json_response(err.body(), status=500)
+        # The client left (e.g. while sending its body): nobody to answer, nothing went wrong.
+        log.info("the client closed the connection", extra={"path": request.path,
+                                                            "error": str(e)})
+        return web.Response(status=499)  # never sent: the connection is gone
     except Exception:
         log.exception("unhandled error", extra={"path": request.path})
         err = ApiError(500, "internal server error", type_="server_error")
         return web.json_response(err.body(), status=500)
 
 
-def make_app(frontend: Frontend) -> web.Application:
-    app = web.Application(middlewares=[_errors], client_max_size=32 << 20)
+def make_app(frontend: Frontend, deadlines: HeaderDeadlines | None = None
+             ) -> web.Application:
+    """The application; with `deadlines`, serve it with `deadlines.serve` (see `listener`)."""
+    middlewares: list[Any] = [_errors]
+    if deadlines is not None:
+        middlewares.insert(0, deadlines.middleware)
+    app = web.Application(middlewares=middlewares,
+                          client_max_size=frontend.limits.max_body_bytes)
     app.add_routes(frontend.routes())
     return app

@@ -40,3 +40,7 @@ class ConductorMetrics:
                                ["role", "state"], registry=r)
         self.retries = Counter("mooncake_conductor_retries_total",
                                "Requests that needed another attempt", registry=r)
+        self.header_timeouts = Counter(
+            "mooncake_conductor_header_timeouts_total",
+            "Connections closed for not sending a complete request head in time (slowloris)",
+            registry=r)

@@ -4,15 +4,20 @@ Failures before the client has seen output are retried on other instances; the f
 kept across a retry (decode continues from the token the client already has), so a retry never
 changes what was said. Once decode has streamed, a dead decode instance ends the stream with an
 error event: other streams and later requests are unaffected, and the instance leaves rotation.
+
+Every nested generator is closed explicitly (`aclosing`): when the client goes away the API
+layer closes `run`, and that must reach `_decode`'s `call.cancel()` at once, not whenever the
+garbage collector finalises an abandoned generator (until then decode keeps generating).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -75,7 +80,7 @@ class Pipeline:
         self.attempts = attempts
         self.prefill_timeout_s = prefill_timeout_s
 
-    async def run(self, gen: Generation, out: Outcome) -> AsyncIterator[Delta]:
+    async def run(self, gen: Generation, out: Outcome) -> AsyncGenerator[Delta, None]:
         out.prompt_tokens = len(gen.token_ids)
         first: pb.PrefillResponse | None = None
         last_error = "no attempt made"
@@ -93,8 +98,10 @@ class Pipeline:
             pair = route.prefill.report.bootstrap_addr if route.prefill.report else ""
             if pair:
                 try:
-                    async for delta in self._paired(gen, route, attempt, pair, out):
-                        yield delta
+                    async with contextlib.aclosing(
+                            self._paired(gen, route, attempt, pair, out)) as deltas:
+                        async for delta in deltas:
+                            yield delta
                     return
                 except _Retry as e:
                     last_error = str(e)
@@ -116,12 +123,14 @@ class Pipeline:
                     return
             streamed = False
             try:
-                async for chunk in self._decode(gen, route, first.first_token, resp.tail_key):
-                    streamed = True
-                    out.completion_tokens += 1
-                    reason = chunk.finish_reason or None if chunk.finished else None
-                    out.finish_reason = reason
-                    yield Delta(chunk.text, chunk.token_id, reason)
+                async with contextlib.aclosing(self._decode(gen, route, first.first_token,
+                                                            resp.tail_key)) as chunks:
+                    async for chunk in chunks:
+                        streamed = True
+                        out.completion_tokens += 1
+                        reason = chunk.finish_reason or None if chunk.finished else None
+                        out.finish_reason = reason
+                        yield Delta(chunk.text, chunk.token_id, reason)
                 return
             except grpc.aio.AioRpcError as e:
                 last_error = self._fail(self.decodes, route.decode, e)
@@ -133,7 +142,7 @@ class Pipeline:
                        type_="server_error", code="upstream_failed")
 
     async def _paired(self, gen: Generation, route: Route, attempt: int, addr: str,
-                      out: Outcome) -> AsyncIterator[Delta]:
+                      out: Outcome) -> AsyncGenerator[Delta, None]:
         """One attempt with paired handoff (SGLang PD): decode must be waiting for the KV
         while prefill computes it, so both calls start together, meeting in a fresh room.
         Raises _Retry when the attempt failed before the client saw anything."""
@@ -144,8 +153,10 @@ class Pipeline:
 
         async def pump() -> None:
             try:
-                async for chunk in self._decode(gen, route, 0, "", (addr, room)):
-                    await chunks.put(chunk)
+                async with contextlib.aclosing(self._decode(gen, route, 0, "",
+                                                            (addr, room))) as stream:
+                    async for chunk in stream:
+                        await chunks.put(chunk)
                 await chunks.put(None)
             except BaseException as e:  # handed to the reader, which decides
                 await chunks.put(e)
@@ -215,7 +226,7 @@ class Pipeline:
             inst.inflight_tokens -= n
 
     async def _decode(self, gen: Generation, route: Route, first_token: int, tail_key: str,
-                      pair: tuple[str, int] = ("", 0)) -> AsyncIterator[pb.DecodeChunk]:
+                      pair: tuple[str, int] = ("", 0)) -> AsyncGenerator[pb.DecodeChunk, None]:
         inst = route.decode
         inst.inflight += 1
         try:

@@ -12,6 +12,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 MAX_STOP = 4
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""Every integer field is bounded to what its wire type carries (`Sampling.seed` is int64, the
+token budgets fit int32), so an out-of-range value is a 400 naming the field here, never a
+ValueError from protobuf later (a 500)."""
 
 
 class ApiError(Exception):
@@ -39,14 +44,14 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
-    n: int = Field(default=1, ge=1)
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    n: int = Field(default=1, ge=1, le=INT32_MAX)
     user: str | None = None
     ignore_eos: bool = False
     """Extension (as in vLLM): generate exactly max_tokens; benchmarks need fixed lengths."""
@@ -72,6 +77,11 @@ class _Common(BaseModel):
             value = (self.model_extra or {}).get(name)
             if value not in (None, False, 0, 1) or (name in ("tools", "functions") and value):
                 raise ApiError(400, f"'{name}' is not supported by this server", param=name)
+        top_k = (self.model_extra or {}).get("top_k")
+        if top_k not in (None, 0, -1):
+            # vLLM's extension; 0 and -1 mean "off". Anything else would be silently ignored.
+            raise ApiError(400, "'top_k' is not supported by this server (only 0 or -1, off)",
+                           param="top_k")
 
 
 class ChatMessage(BaseModel):
@@ -94,7 +104,7 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
 
 
 class CompletionRequest(_Common):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,9 +13,11 @@ from aiohttp import web
 
 from mooncake_k8s.conductor import costmodel
 from mooncake_k8s.conductor.admission import SLO, AdmissionConfig
-from mooncake_k8s.conductor.api import Frontend, load_api_keys, make_app
+from mooncake_k8s.conductor.api import Frontend, load_api_keys, make_app, max_token_bytes
+from mooncake_k8s.conductor.bodies import EdgeLimits
 from mooncake_k8s.conductor.instances import InstancePool
 from mooncake_k8s.conductor.kvindex import IndexFeeder, KVIndex
+from mooncake_k8s.conductor.listener import HeaderDeadlines
 from mooncake_k8s.conductor.metrics import ConductorMetrics
 from mooncake_k8s.conductor.pipeline import Pipeline
 from mooncake_k8s.conductor.policies import MooncakeRouter, Scheduler, SchedulerConfig
@@ -50,6 +52,8 @@ class ConductorConfig:
     ttft_slo_ms: float | None = None
     tbt_slo_ms: float | None = None
     """With either set, requests predicted to miss it are refused up front (429)."""
+    limits: EdgeLimits = field(default_factory=EdgeLimits)
+    """Body size, JSON depth and connection timeouts of the HTTP front door."""
 
 
 class Conductor:
@@ -73,8 +77,12 @@ class Conductor:
         self._feeder: IndexFeeder | None = None
         self.frontend = Frontend(
             Pipeline(self.prefills, self.decodes, self.router),
-            self.metrics, keys, config.served_model_name, config.use_prefix_cache)
+            self.metrics, keys, config.served_model_name, config.use_prefix_cache,
+            config.limits)
+        self.deadlines = HeaderDeadlines(config.limits.header_timeout_s,
+                                         self.metrics.header_timeouts.inc)
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
         self.port = 0
 
     async def start(self) -> None:
@@ -84,17 +92,23 @@ class Conductor:
             self._feeder.start()
         await self.prefills.start()
         await self.decodes.start()
-        self._runner = web.AppRunner(make_app(self.frontend), access_log=None)
+        # handler_cancellation: a client that hangs up cancels its handler, and with it the
+        # gRPC calls, even while nothing is being written (prefill, a non-streamed request).
+        # auto_decompress off: compressed bodies are refused (415), never inflated.
+        self._runner = web.AppRunner(make_app(self.frontend, self.deadlines),
+                                     handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
-        await site.start()
-        server = getattr(site, "_server", None)
-        sockets = getattr(server, "sockets", None) or []
+        self._listener = await self.deadlines.serve(
+            self._runner, self.config.host, self.config.port, access_log=None,
+            keepalive_timeout=self.config.limits.idle_timeout_s, auto_decompress=False)
+        sockets = list(self._listener.sockets)
         self.port = sockets[0].getsockname()[1] if sockets else self.config.port
 
     def _load_tokenizer(self) -> None:
         try:
-            self.frontend.tokenizer = load_tokenizer(self.config.engine)
+            tokenizer = load_tokenizer(self.config.engine)
+            self.frontend.max_token_bytes = max_token_bytes(tokenizer)
+            self.frontend.tokenizer = tokenizer
         except Exception as e:
             self.frontend.tokenizer_error = f"{type(e).__name__}: {e}"
             log.exception("tokenizer failed to load")
@@ -102,6 +116,8 @@ class Conductor:
     async def stop(self) -> None:
         if self._feeder is not None:
             self._feeder.stop()
+        if self._listener is not None:
+            self._listener.close()
         if self._runner is not None:
             await self._runner.cleanup()
         await self.prefills.close()

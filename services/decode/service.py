@@ -51,6 +51,8 @@ class DecodeService(Worker):
         self.m_running = Gauge("mooncake_decode_running", "Sequences in the batch", registry=r)
         self.m_cancelled = Counter("mooncake_decode_cancelled_total",
                                    "Streams whose client went away before the end", registry=r)
+        self.m_kv_free = Gauge("mooncake_decode_kv_free_tokens",
+                               "Tokens of KV the engine has free", registry=r)
 
     def start(self) -> None:
         cfg = self.config
@@ -90,6 +92,7 @@ class DecodeService(Worker):
             rep.kv_free_tokens = load.kv_free_tokens
             rep.kv_capacity_tokens = load.kv_capacity_tokens
             self.m_running.set(load.running)
+            self.m_kv_free.set(load.kv_free_tokens)
             steps = getattr(self.engine, "step_seconds", None)
             while steps is not None and not steps.empty():
                 self.m_step.observe(steps.get())
@@ -120,9 +123,11 @@ class DecodeService(Worker):
         t0 = time.monotonic()
         first = True
         finished = False
+        tokens: Iterator[Any] | None = None
         try:
             with tracing.span("decode", dict(req.trace_context), request_id=req.request_id):
-                for item in engine.decode(self._work(req), cancelled):
+                tokens = engine.decode(self._work(req), cancelled)
+                for item in tokens:
                     if first:
                         self.m_load.observe(time.monotonic() - t0)
                         first = False
@@ -136,8 +141,13 @@ class DecodeService(Worker):
             if finished:
                 self.m_requests.labels("ok").inc()
             elif cancelled.is_set():
-                self.m_cancelled.inc()
-                self.m_requests.labels("cancelled").inc()
+                self._count_cancelled()
+        except GeneratorExit:
+            # gRPC stops iterating a cancelled call and closes this generator at its `yield`
+            # (the client went away): end the engine's sequence now, which frees its KV.
+            cancelled.set()
+            self._count_cancelled()
+            raise
         except InvalidArgument as e:
             self.m_requests.labels("invalid").inc()
             ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -152,7 +162,14 @@ class DecodeService(Worker):
             log.exception("decode failed", extra={"request_id": req.request_id})
             ctx.abort(grpc.StatusCode.INTERNAL, f"decode failed: {type(e).__name__}: {e}")
         finally:
+            close = getattr(tokens, "close", None)
+            if close is not None:
+                close()
             self.release()
+
+    def _count_cancelled(self) -> None:
+        self.m_cancelled.inc()
+        self.m_requests.labels("cancelled").inc()
 
 
 def run_decode(config: WorkerConfig) -> None:

@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,8 @@ class _Job:
     trace: dict[str, str]
     queued_at: float = field(default_factory=time.monotonic)
     done: Future[pb.PrefillResponse] = field(default_factory=Future)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    """Set when the caller's RPC ends (the client went away): a queued job is then skipped."""
 
 
 class PrefillService(Worker):
@@ -101,6 +103,7 @@ class PrefillService(Worker):
                           f"prompt of {len(req.token_ids)} tokens exceeds the model's context "
                           f"of {engine.info.max_context}")
             job = _Job(req, dict(req.trace_context))
+            ctx.add_callback(job.cancelled.set)  # also runs after success: harmless by then
             with self._qlock:
                 self._queued_tokens += len(req.token_ids)
                 self._queued_requests += 1
@@ -108,6 +111,8 @@ class PrefillService(Worker):
             self._jobs.put(job)
             try:
                 return job.done.result()
+            except CancelledError:  # skipped: the caller went away (counted by _run)
+                ctx.abort(grpc.StatusCode.CANCELLED, "the caller went away")
             except InvalidArgument as e:
                 self.m_requests.labels("invalid").inc()
                 ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -132,6 +137,10 @@ class PrefillService(Worker):
             if job is None:
                 return
             try:
+                if job.cancelled.is_set():  # nobody waits for it: compute nothing
+                    self.m_requests.labels("cancelled").inc()
+                    job.done.cancel()
+                    continue
                 job.done.set_result(self._execute(job))
                 self.m_requests.labels("ok").inc()
             except Exception as e:

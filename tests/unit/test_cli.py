@@ -29,6 +29,17 @@ def test_bad_size_flag_is_a_usage_error() -> None:
     assert r.exit_code == 2 and "not a size" in r.output
 
 
+@pytest.mark.parametrize(("args", "fragment"), [
+    (["--max-body-size", "0"], "too small"),
+    (["--max-body-size", "lots"], "not a size"),
+    (["--header-timeout", "0"], "--header-timeout"),
+    (["--idle-timeout", "-1"], "--idle-timeout"),
+])
+def test_conductor_edge_limits_are_validated(args: list[str], fragment: str) -> None:
+    r = CliRunner().invoke(main, ["conductor", "--prefill", "p:1", "--decode", "d:1", *args])
+    assert r.exit_code == 2 and fragment in r.output, r.output
+
+
 def test_node_rejects_ssd_size_without_dir() -> None:
     r = CliRunner().invoke(main, ["store", "node", "--ssd-size", "1GiB"])
     assert r.exit_code == 2 and "--ssd-dir" in r.output

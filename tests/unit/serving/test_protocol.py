@@ -91,3 +91,29 @@ def test_api_keys_file(tmp_path: Path) -> None:
     f.write_text("# nothing\n")
     with pytest.raises(ValueError, match="no API keys"):
         load_api_keys(str(f))
+
+
+@pytest.mark.parametrize(("field", "value", "fragment"), [
+    ("seed", 2**64, "less than or equal to 9223372036854775807"),
+    ("seed", 2**63, "less than or equal to 9223372036854775807"),
+    ("seed", -(2**63) - 1, "greater than or equal to -9223372036854775808"),
+    ("max_tokens", 2**80, "less than or equal to 2147483647"),
+    ("max_completion_tokens", 2**31, "less than or equal to 2147483647"),
+    ("n", 2**70, "less than or equal to 2147483647"),
+    ("top_k", 40, "'top_k' is not supported"),
+    ("top_k", 2**70, "'top_k' is not supported"),
+    ("top_logprobs", 2**70, "'top_logprobs' is not supported"),
+])
+def test_integer_fields_are_bounded_and_named(field: str, value: int, fragment: str) -> None:
+    with pytest.raises(ApiError) as e:
+        parse(ChatRequest, {"model": "m", "messages": MSG, field: value})
+    assert e.value.status == 400 and e.value.param == field
+    assert fragment in e.value.message
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("seed", 2**63 - 1), ("seed", -(2**63)), ("max_tokens", 2**31 - 1), ("top_k", -1),
+    ("top_k", 0),
+])
+def test_integer_bounds_are_inclusive(field: str, value: int) -> None:
+    parse(ChatRequest, {"model": "m", "messages": MSG, field: value})
