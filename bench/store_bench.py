@@ -305,6 +305,7 @@ def evaluate_targets(rows: list[Row], sizes: list[int]) -> list[Target]:
                                  _best(rows, "memcpy", "local", "get", size), 0.65, "memcpy"))
     if LATENCY_SIZE in sizes:
         out += _latency_targets(rows)
+    out += _put_targets(rows, sizes)
     out += _tail_targets(rows, sizes)
     out.append(_master_target(rows))
     return out
@@ -323,6 +324,36 @@ def _latency_targets(rows: list[Row]) -> list[Target]:
         out.append(Target(name, "PASS" if a <= b else "MISS",
                           f"ours qd1 p50 {a:.1f} us vs mooncake qd1 p50 {b:.1f} us",
                           {"ours_p50_us": a, "mooncake_p50_us": b}))
+    return out
+
+
+def _put_targets(rows: list[Row], sizes: list[int]) -> list[Target]:
+    """Issue 10's small puts: 64 KiB and 1 MiB put p50 no worse than Mooncake's (qd1), and a
+    batch of 256 x 64 KiB at >= 2x Mooncake's batch put. Ours: the better of shm and tcp
+    (a client on the node's host takes shm, as every engine beside its node does)."""
+    out = []
+    for size in (s for s in (LATENCY_SIZE, 1 << 20) if s in sizes):
+        label = fmt_size(size)
+        name = f"put {label} p50 <= mooncake's"
+        mc = _find(rows, "mooncake", "tcp", "put", size, "qd1")
+        ours = [r for path in ("shm", "tcp") for r in _find(rows, "ours", path, "put", size,
+                                                             "qd1")]
+        if not ours or not mc:
+            out.append(Target(name, "N/A", f"no {'ours' if not ours else 'mooncake'} row", {}))
+            continue
+        best = min(ours, key=lambda r: r["p50_us"])
+        a, b = best["p50_us"], mc[0]["p50_us"]
+        out.append(Target(name, "PASS" if a <= b else "MISS",
+                          f"ours {best['path']} qd1 p50 {a:.1f} us vs mooncake qd1 p50 {b:.1f} us"
+                          f" = {a / b:.2f}x", {"ours_p50_us": a, "mooncake_p50_us": b}))
+    if LATENCY_SIZE in sizes:
+        mode = "batch k=256"
+        ours_b = [r for path in ("shm", "tcp")
+                  for r in _find(rows, "ours", path, "put", LATENCY_SIZE, mode)]
+        best_b = max(ours_b, key=lambda r: r["gbps"]) if ours_b else None
+        mc_b = _find(rows, "mooncake", "tcp", "put", LATENCY_SIZE, mode)
+        out.append(_ratio_target(f"put 64 KiB {mode} >= 2x mooncake", best_b,
+                                 mc_b[0] if mc_b else None, 2.0, "mooncake"))
     return out
 
 
