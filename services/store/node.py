@@ -14,6 +14,7 @@ segments directly: through /dev/shm on the same host, or through the TCP transfe
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import signal
@@ -143,9 +144,12 @@ class StorageNode:
     def start(self) -> None:
         cfg = self.config
         per = cfg.dram_size // max(1, cfg.dram_segments)
+        # Node ids are unique within a cluster, not on a host: the masters' addresses tag the
+        # shared-memory files, so another cluster's node of the same id keeps its own.
+        tag = hashlib.sha256(",".join(self._link.addresses).encode()).hexdigest()[:8]
         for i in range(max(1, cfg.dram_segments)):
             self._add_segment(Segment.create_shm(f"{cfg.node_id}-dram-{i}", per, replace=True,
-                                                 populate=cfg.prefault))
+                                                 populate=cfg.prefault, tag=tag))
         if cfg.ssd_dir and cfg.ssd_size > 0:
             os.makedirs(cfg.ssd_dir, exist_ok=True)
             ssd = Segment.create_file(f"{cfg.node_id}-ssd-0", cfg.ssd_dir, cfg.ssd_size)

@@ -39,8 +39,22 @@ def validate_name(name: str) -> str:
     return name
 
 
-def shm_path(name: str) -> str:
-    return os.path.join(SHM_DIR, SHM_PREFIX + validate_name(name))
+def shm_path(name: str, tag: str = "") -> str:
+    """/dev/shm/mooncake-[<tag>-]<name>. The tag (a short hex digest naming the cluster) keeps
+    two clusters on one host, whose nodes may share ids, from taking each other's files."""
+    if tag and (len(tag) > 16 or not all(c in "0123456789abcdef" for c in tag)):
+        raise InvalidArgument(f"segment tag {tag!r} must be up to 16 lowercase hex digits")
+    return os.path.join(SHM_DIR, SHM_PREFIX + (f"{tag}-" if tag else "") + validate_name(name))
+
+
+def _is_shm_path(path: str, name: str) -> bool:
+    base = os.path.basename(path)
+    if os.path.dirname(os.path.normpath(path)) != SHM_DIR or not base.endswith(name):
+        return False
+    tag = base[len(SHM_PREFIX):-len(name)]
+    return base.startswith(SHM_PREFIX) and (tag == "" or (
+        tag.endswith("-") and 1 < len(tag) <= 17
+        and all(c in "0123456789abcdef" for c in tag[:-1])))
 
 
 def file_name(name: str) -> str:
@@ -89,14 +103,14 @@ class Segment:
 
     @classmethod
     def create_shm(cls, name: str, size: int, *, replace: bool = False,
-                   populate: bool = False) -> Segment:
+                   populate: bool = False, tag: str = "") -> Segment:
         """A new DRAM segment backed by /dev/shm/mooncake-<name> (created exclusively).
 
         `replace=True` first removes a file left by a previous owner that died (a restarted node).
         `populate=True` allocates all its memory now (a storage node's, so that puts do not pay
         for page faults), instead of as pages are first written.
         """
-        path = shm_path(name)
+        path = shm_path(name, tag)
         return cls._create(SegmentDesc(name, Tier.DRAM, _check_size(size), path), replace,
                            populate)
 
@@ -139,8 +153,9 @@ class Segment:
         Raises TransferError when the file is missing, too small or cannot be mapped.
         """
         expected = shm_path(desc.name) if desc.tier == Tier.DRAM else None
-        if expected is not None and os.path.normpath(desc.path) != expected:
-            raise TransferError(f"segment {desc.name!r}: path {desc.path!r} is not {expected}")
+        if expected is not None and not _is_shm_path(desc.path, validate_name(desc.name)):
+            raise TransferError(f"segment {desc.name!r}: path {desc.path!r} is not {expected} "
+                                "(or the same with a cluster tag)")
         if expected is None and os.path.basename(desc.path) != file_name(desc.name):
             raise TransferError(f"segment {desc.name!r}: path {desc.path!r} is not a segment file")
         if desc.size <= 0:

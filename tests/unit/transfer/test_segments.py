@@ -129,3 +129,24 @@ def test_detect_rdma(tmp_path: Path) -> None:
         import pyverbs  # type: ignore[import-not-found]  # noqa: F401
     except ImportError:
         assert not st.available and "pyverbs" in st.reason
+
+
+def test_cluster_tag_keeps_same_named_segments_of_two_clusters_apart() -> None:
+    name = uniq("tagged")
+    a = Segment.create_shm(name, 4096, tag="0a1b2c3d")
+    b = Segment.create_shm(name, 4096, tag="ffff0000", replace=True)  # must not take a's file
+    try:
+        assert a.desc.path == f"/dev/shm/mooncake-0a1b2c3d-{name}" != b.desc.path
+        a.buf[:3] = b"abc"
+        peer = Segment.open(a.desc)  # a tagged path is accepted by readers
+        assert bytes(peer.buf[:3]) == b"abc"
+        peer.close()
+        for bad in ("XYZ", "0a1b2c3d0a1b2c3d0"):
+            with pytest.raises(InvalidArgument):
+                Segment.create_shm(name, 4096, tag=bad)
+        forged = SegmentDesc(name, Tier.DRAM, 4096, f"/dev/shm/mooncake-zz-{name}")
+        with pytest.raises(TransferError, match="cluster tag"):
+            Segment.open(forged)
+    finally:
+        a.close()
+        b.close()
