@@ -63,6 +63,11 @@ def spec_errors(spec: Obj) -> list[str]:
         errors += corev1.annotation_map(service["annotations"],
                                      "spec.roles.conductor.service.annotations")
     errors += _rdma_errors(spec.get("rdma") or {})
+    if spec.get("transferProtocol") == "rdma":
+        # The workers would refuse it at start and crash-loop: say so here instead.
+        errors.append("spec.transferProtocol: rdma has no data path in this release (RDMA is "
+                      "detected and reported, never used); use auto, which moves KV over "
+                      "shared memory and TCP")
     errors += _size_errors(spec)
     return errors
 

@@ -145,6 +145,14 @@ def _worker(role: str, o: dict[str, Any], **extra: Any) -> None:
         if bad:
             raise click.UsageError(f"{bad} is set by the worker for --engine {kind}; use the "
                                    "worker's own option instead")
+    if o["transfer_protocol"] == "rdma":
+        from mooncake_k8s.transfer.rdma import detect_rdma
+
+        found = detect_rdma()
+        raise click.UsageError(
+            "--transfer-protocol rdma: this release has no RDMA data path (RDMA devices are "
+            f"detected and reported, never used; here: {found.reason or 'devices found'}); "
+            "use auto (shared memory and TCP)")
     transport = "tcp" if o["transfer_protocol"] == "tcp" else "auto"
     # Every writer in this worker, including an engine's plug-in in its child process, reads
     # the copies per block from here (`StoreClient`'s default).

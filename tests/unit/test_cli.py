@@ -99,3 +99,11 @@ def test_up_gives_engines_cpu_defaults_only_when_the_user_gave_none(tmp_path: ob
     assert len(args(engine="vllm")) == 2 + len(VLLM_CPU_DEFAULTS)
     assert args(engine="sglang", engine_args=("--dtype", "bfloat16")) == [
         "--engine", "sglang", "--engine-arg=--dtype", "--engine-arg=bfloat16"]
+
+
+def test_rdma_transfer_protocol_is_refused_with_the_reason() -> None:
+    """RDMA is detected, never used: asking for it fails at start, not silently on TCP."""
+    r = CliRunner().invoke(main, ["prefill", "--transfer-protocol", "rdma", "--metrics-port",
+                                  "-1"])
+    assert r.exit_code == 2
+    assert "no RDMA data path" in r.output and "use auto" in r.output
