@@ -11,47 +11,60 @@ import json
 import secrets
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, BinaryIO
 
 import click
 
 
 @click.command("render")
 @click.option("-f", "--filename", "files", multiple=True, required=True,
-              type=click.File("r"), help="MooncakeCluster YAML ('-' reads stdin); repeatable.")
+              type=click.File("rb"), help="MooncakeCluster YAML ('-' reads stdin); repeatable.")
 @click.option("-n", "--namespace", default=None,
               help="Namespace for resources that do not set metadata.namespace [default: "
                    "default].")
-def render(files: tuple[TextIO, ...], namespace: str | None) -> None:
+def render(files: tuple[BinaryIO, ...], namespace: str | None) -> None:
     """Print, as a YAML stream, exactly the objects the operator applies for each cluster.
 
     The input is defaulted and validated as the API server would (OpenAPI schema and CEL
-    rules). ownerReferences are included only when the input carries metadata.uid (e.g.
+    rules), plus Kubernetes' own rules for the pod fields it carries (resources, nodeSelector,
+    tolerations, affinity, names) and rules across fields. Any problem in any document is
+    reported (file, document, field) and nothing is printed; the exit status is then 1.
+    ownerReferences are included only when the input carries metadata.uid (e.g.
     `kubectl get mcc NAME -o yaml | mooncake render -f -`). Not printed: the cluster-token
     Secret the operator generates once when spec.clusterTokenSecret is unset.
     """
     import yaml
 
     from mooncake_k8s.operator import render as rnd
+    from mooncake_k8s.operator.manifests import ManifestError, documents, label
     from mooncake_k8s.operator.validation import InvalidResource, validate_cluster
 
     out: list[dict[str, Any]] = []
+    problems: list[str] = []
     for f in files:
-        for doc in yaml.safe_load_all(f):
-            if not doc:
-                continue
-            if namespace and not doc.get("metadata", {}).get("namespace"):
-                doc.setdefault("metadata", {})["namespace"] = namespace
-            where = f"{getattr(f, 'name', '-')}: {doc.get('kind')}/" \
-                    f"{doc.get('metadata', {}).get('name')}"
+        name = getattr(f, "name", "-")
+        try:
+            docs = documents(f.read(), name)
+        except ManifestError as e:
+            problems.append(str(e))
+            continue
+        for i, doc in enumerate(docs, 1):
+            where = label(name, i, len(docs), doc)
+            if namespace and isinstance(doc, dict) and isinstance(doc.get("metadata"), dict) \
+                    and not doc["metadata"].get("namespace"):
+                doc["metadata"]["namespace"] = namespace
             try:
-                cluster = validate_cluster(doc)
-                out += rnd.render(cluster).objects
+                out += rnd.render(validate_cluster(doc)).objects
             except InvalidResource as e:
-                lines = "\n".join(f"  - {m}" for m in e.errors)
-                raise click.ClickException(f"{where} is invalid:\n{lines}") from e
+                if len(e.errors) == 1 and e.errors[0].startswith("<root>: "):
+                    problems.append(f"{where}: {e.errors[0].removeprefix('<root>: ')}")
+                else:
+                    problems.append(f"{where} is invalid:\n" +
+                                    "\n".join(f"  - {m}" for m in e.errors))
             except rnd.SpecError as e:
-                raise click.ClickException(f"{where}: {e}") from e
+                problems.append(f"{where}: {e}")
+    if problems:
+        raise click.ClickException("\n".join(problems))
     click.echo(yaml.safe_dump_all(out, sort_keys=False, width=100), nl=False)
 
 

@@ -40,7 +40,7 @@ PORTS: dict[str, dict[str, int]] = {
     "prefill": {"grpc": 50061, "metrics": 9090},
     "decode": {"grpc": 50071, "metrics": 9090},
     "store": {"transfer": 50055, "metrics": 9092},
-    "master": {"grpc": 50051, "metrics": 9091},
+    "master": {"grpc": 50051, "fast": 50052, "metrics": 9091},
 }
 # Extra container ports of SGLang workers (the worker's --sglang-bootstrap-port and
 # --pd-transfer-port): decode pods dial a prefill pod's bootstrap server, and KV moves from
@@ -51,7 +51,7 @@ SGLANG_PORTS: dict[str, dict[str, int]] = {
 }
 # Ports only pods of the same cluster may reach (the rest is the API or metrics).
 INTERNAL_PORTS = {"prefill": ("grpc",), "decode": ("grpc",), "store": ("transfer",),
-                  "master": ("grpc",), "conductor": ()}
+                  "master": ("grpc", "fast"), "conductor": ()}
 METRICS_PORT = {"conductor": "http", "prefill": "metrics", "decode": "metrics",
                 "store": "metrics", "master": "metrics"}
 

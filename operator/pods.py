@@ -15,10 +15,9 @@ from __future__ import annotations
 import copy
 import math
 import shlex
-from decimal import Decimal
 from typing import Any
 
-from mooncake_k8s.operator import naming
+from mooncake_k8s.operator import corev1, naming
 from mooncake_k8s.operator.schema import DATA_ROLES, SIDECAR_STAGING_DEFAULT
 
 Obj = dict[str, Any]
@@ -64,9 +63,17 @@ class Ctx:
         self.spec = spec
         self.serving_revision = serving_revision
         domain = spec["clusterDomain"]
-        self.master_addr = (
-            f"{naming.service_fqdn(naming.name(cluster, 'master'), namespace, domain)}:"
-            f"{naming.PORTS['master']['grpc']}")
+        svc = naming.service_fqdn(naming.name(cluster, 'master'), namespace, domain)
+        port = naming.PORTS['master']['grpc']
+        masters = int(spec["roles"]["master"]["replicas"])
+        self.master_svc = svc
+        if masters > 1:
+            # HA (metadataBackend redis): every master by its stable StatefulSet pod name;
+            # clients and nodes follow whichever leads (store.masterlink).
+            self.master_addr = ",".join(
+                f"{naming.name(cluster, 'master')}-{i}.{svc}:{port}" for i in range(masters))
+        else:
+            self.master_addr = f"{svc}:{port}"
         self.domain = domain
 
     def image(self, role: str) -> str:
@@ -143,7 +150,8 @@ def gpu_count(spec: Obj, role: str) -> int:
     """GPUs the role's container asks for (limits, else requests; 0 = a CPU pod)."""
     res = spec["roles"][role].get("resources") or {}
     for part in ("limits", "requests"):
-        n = sum(int(v) for k, v in (res.get(part) or {}).items() if is_gpu_resource(k))
+        n = sum(int(corev1.parse_quantity(v)) for k, v in (res.get(part) or {}).items()
+                if is_gpu_resource(k))
         if n:
             return n
     return 0
@@ -176,9 +184,9 @@ def _memory(spec: Obj, role: str, *order: str) -> int | None:
         q = (res.get(part) or {}).get("memory")
         if q is not None:
             try:
-                return naming.parse_bytes(q)
+                return math.ceil(corev1.parse_quantity(q))
             except ValueError:
-                return None  # not a quantity: Kubernetes rejects the pod and says why
+                return None  # not a quantity: admission rejects it before rendering
     return None
 
 
@@ -188,12 +196,10 @@ def _cpus(spec: Obj, role: str) -> int | None:
     for part in ("limits", "requests"):
         q = (res.get(part) or {}).get("cpu")
         if q is not None:
-            text = str(q).strip()
             try:
-                millis = (Decimal(text[:-1]) if text.endswith("m") else Decimal(text) * 1000)
-            except ArithmeticError:
-                return None  # not a quantity: Kubernetes rejects the pod and says why
-            return max(1, math.ceil(millis / 1000))
+                return max(1, math.ceil(corev1.parse_quantity(q)))
+            except ValueError:
+                return None  # not a quantity: admission rejects it before rendering
     return None
 
 
@@ -337,6 +343,7 @@ def _role_env(ctx: Ctx, role: str) -> tuple[list[Obj], list[str]]:
     if role == "master":
         env = [_env("MOONCAKE_MASTER_HOST", "$(MOONCAKE_POD_IP)"),
                _env("MOONCAKE_MASTER_PORT", p["grpc"]),
+               _env("MOONCAKE_MASTER_FAST_PORT", p["fast"]),
                _env("MOONCAKE_MASTER_METRICS_PORT", p["metrics"]),
                _env("MOONCAKE_HIGH_WATERMARK", spec["store"]["highWatermark"]),
                _env("MOONCAKE_LOW_WATERMARK", spec["store"]["lowWatermark"])]
@@ -345,7 +352,12 @@ def _role_env(ctx: Ctx, role: str) -> tuple[list[Obj], list[str]]:
             ref = backend["redisUrlSecret"]
             env += [_env("MOONCAKE_METADATA_BACKEND", "redis"),
                     {"name": "MOONCAKE_REDIS_URL", "valueFrom": {"secretKeyRef": {
-                        "name": ref["name"], "key": ref["key"]}}}]
+                        "name": ref["name"], "key": ref["key"]}}},
+                    # The leader address standbys hand out: this pod's stable name.
+                    _env("MOONCAKE_MASTER_ADVERTISE",
+                         f"$(MOONCAKE_POD_NAME).{ctx.master_svc}:{p['grpc']}"),
+                    # One Redis may serve several clusters: keys are per cluster.
+                    _env("MOONCAKE_HA_PREFIX", f"mooncake:{ctx.namespace}:{ctx.cluster}")]
         return env, ["store", "master"]
     if role == "store":
         env = [_env("MOONCAKE_MASTER", ctx.master_addr),
@@ -529,7 +541,8 @@ def _sidecar(ctx: Ctx, role: str) -> Obj:
         "args": ["sidecar", "--socket", SIDECAR_SOCKET, "--master", ctx.master_addr,
                  "--staging-size", str(staging)],
         "env": [ctx.token_env(), _env("MOONCAKE_LOG_LEVEL", spec["logLevel"]),
-                _env("MOONCAKE_LOG_FORMAT", spec["logFormat"]), _env("HOME", "/tmp")],
+                _env("MOONCAKE_LOG_FORMAT", spec["logFormat"]), _env("HOME", "/tmp"),
+                _env("MOONCAKE_STORE_REPLICAS", spec["store"]["replicationFactor"])],
         "volumeMounts": [{"name": "run", "mountPath": SIDECAR_DIR},
                          {"name": "dshm", "mountPath": "/dev/shm"},
                          {"name": "tmp", "mountPath": "/tmp"}],

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mooncake_k8s.operator import naming, pods
+from mooncake_k8s.operator import admission, corev1, naming, pods
 from mooncake_k8s.operator.schema import GROUP, ROLES, VERSION
 
 Obj = dict[str, Any]
@@ -72,10 +72,15 @@ class _Meta:
 
 
 def _check(spec: Obj) -> None:
+    # The API server in front of the operator knows the CRD, not these rules: without them a
+    # bad toleration or quantity would only surface as a refused StatefulSet.
+    errors = admission.spec_errors(spec)
+    if errors:
+        raise SpecError("; ".join(errors))
     for role in ("store", "decode", "prefill"):
         size = pods.shm_bytes(spec, role)
         limit = (spec["roles"][role].get("resources") or {}).get("limits", {}).get("memory")
-        if size is not None and limit is not None and naming.parse_bytes(limit) < size:
+        if size is not None and limit is not None and corev1.parse_quantity(limit) < size:
             raise SpecError(
                 f"roles.{role}.resources.limits.memory ({limit}) is below the role's "
                 f"Memory-backed /dev/shm ({naming.format_bytes(size)}), which counts against it")

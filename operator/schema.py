@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mooncake_k8s.operator import corev1
+
 Schema = dict[str, Any]
 
 GROUP = "mooncake.io"
@@ -24,8 +26,21 @@ DEFAULT_IMAGE = "mooncake-k8s:0.1.0"
 
 # Byte sizes as Kubernetes quantities (binary or decimal suffixes, no exponents or millis).
 SIZE_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
-DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+# Kubernetes' own name grammars (`corev1` applies the same expressions in Python).
+DNS_LABEL = corev1.DNS_LABEL
+DNS_SUBDOMAIN = corev1.DNS_SUBDOMAIN
+# A name that may also be empty (the field then means "the default").
+OPTIONAL_DNS_SUBDOMAIN = "^$|" + corev1.DNS_SUBDOMAIN
+OPTIONAL_QUALIFIED_NAME = "^$|" + corev1.QUALIFIED_NAME
+# Pattern -> the message `validation` shows instead of "does not match <regex>"; `corev1` words
+# the same violations identically, so an error reads the same from either side.
+PATTERN_MESSAGES = {
+    DNS_SUBDOMAIN: corev1.DNS_SUBDOMAIN_MSG,
+    OPTIONAL_DNS_SUBDOMAIN: corev1.DNS_SUBDOMAIN_MSG,
+    corev1.QUALIFIED_NAME: corev1.QUALIFIED_NAME_MSG,
+    OPTIONAL_QUALIFIED_NAME: corev1.QUALIFIED_NAME_MSG,
+    corev1.LABEL_VALUE: corev1.LABEL_VALUE_MSG,
+}
 
 
 def _d(schema: Schema, desc: str, default: Any = None) -> Schema:
@@ -84,17 +99,25 @@ def size(desc: str, *, default: str | None = None) -> Schema:
 
 
 def quantity_map(desc: str) -> Schema:
+    """Resource name -> quantity (`500m`, `2`, `1.5Gi`, `1e3`); never negative."""
     return _d({
         "type": "object",
         "additionalProperties": {
             "x-kubernetes-int-or-string": True,
-            "anyOf": [{"type": "integer"}, {"type": "string"}],
+            "anyOf": [{"type": "integer", "minimum": 0},
+                      {"type": "string", "pattern": corev1.QUANTITY}],
         },
     }, desc)
 
 
-def string_map(desc: str) -> Schema:
-    return _d({"type": "object", "additionalProperties": {"type": "string"}}, desc)
+def string_map(desc: str, *, value_pattern: str | None = None,
+               value_max_length: int | None = None) -> Schema:
+    values: Schema = {"type": "string"}
+    if value_pattern is not None:
+        values["pattern"] = value_pattern
+    if value_max_length is not None:
+        values["maxLength"] = value_max_length
+    return _d({"type": "object", "additionalProperties": values}, desc)
 
 
 def free_object(desc: str) -> Schema:
@@ -153,7 +176,7 @@ def _model() -> Schema:
             "servedName": string(
                 "Model name clients pass as `model` in OpenAI requests and see in /v1/models. "
                 "Defaults to the Hugging Face id, or `smollm2-135m-instruct` for the built-in "
-                "model.", max_length=256),
+                "model.", min_length=1, max_length=256),
             "huggingFace": obj(
                 "Download the model from the Hugging Face Hub in an init container into a "
                 "per-pod volume before the engine starts.",
@@ -322,12 +345,15 @@ def _role(name: str, replicas: int, extra: dict[str, Schema] | None = None,
             "limits": quantity_map("Maximum resources (cpu, memory, nvidia.com/gpu, ...)."),
             "requests": quantity_map("Resources the scheduler reserves."),
         }, default={}),
-        "nodeSelector": string_map(f"Node labels {name} pods must match."),
-        "tolerations": array(f"Tolerations of {name} pods.",
-                             free_object("A core/v1 Toleration."), max_items=64),
+        "nodeSelector": string_map(f"Node labels {name} pods must match (keys are qualified "
+                                   "names, values label values).",
+                                   value_pattern=corev1.LABEL_VALUE, value_max_length=63),
+        "tolerations": array(f"Tolerations of {name} pods.", _toleration(), max_items=64),
         "affinity": free_object(f"A core/v1 Affinity for {name} pods; RDMA node affinity is "
-                                "added to it, never replaced."),
-        "priorityClassName": string(f"PriorityClass of {name} pods."),
+                                "added to it, never replaced. Checked against Kubernetes' "
+                                "rules by `mooncake render` and the operator."),
+        "priorityClassName": string(f"PriorityClass of {name} pods.",
+                                    pattern=OPTIONAL_DNS_SUBDOMAIN, max_length=253),
         "podTemplate": free_object(
             f"A partial PodTemplateSpec merged over the rendered {name} template: maps merge "
             "recursively, lists of named items (containers, env, volumes, volumeMounts, ports) "
@@ -338,6 +364,30 @@ def _role(name: str, replicas: int, extra: dict[str, Schema] | None = None,
     }
     props.update(extra or {})
     return obj(f"The {name} role.", props, default={}, rules=rules)
+
+
+def _toleration() -> Schema:
+    """A core/v1 Toleration with the API server's cross-field rules as CEL."""
+    return obj("A core/v1 Toleration.", {
+        "key": string("Taint key it matches; empty with operator Exists matches every taint.",
+                      pattern=OPTIONAL_QUALIFIED_NAME, max_length=317),
+        "operator": string("`Equal` (default) or `Exists`.",
+                           enum=("", *corev1.TOLERATION_OPERATORS)),
+        "value": string("Taint value it matches (operator Equal).",
+                        pattern=corev1.LABEL_VALUE, max_length=63),
+        "effect": string("Taint effect it matches; empty matches every effect.",
+                         enum=("", *corev1.TAINT_EFFECTS)),
+        "tolerationSeconds": integer("How long a NoExecute taint is tolerated before "
+                                     "eviction (forever when unset)."),
+    }, rules=(
+        rule("(has(self.key) && self.key != '') || "
+             "(has(self.operator) && self.operator == 'Exists')",
+             corev1.EMPTY_KEY_NEEDS_EXISTS, field_path=".operator"),
+        rule("!has(self.operator) || self.operator != 'Exists' || !has(self.value) || "
+             "self.value == ''", corev1.EXISTS_TAKES_NO_VALUE, field_path=".value"),
+        rule("!has(self.tolerationSeconds) || (has(self.effect) && self.effect == 'NoExecute')",
+             corev1.SECONDS_NEED_NO_EXECUTE, field_path=".effect"),
+    ))
 
 
 def _roles() -> Schema:
@@ -386,13 +436,15 @@ def _rdma() -> Schema:
                 "Fail a pod whose init probe finds no usable RDMA device. When false such pods "
                 "run over TCP and status.conditions RDMAReady says so.", default=False),
             "resourceName": string("Extended resource the RDMA device plugin advertises.",
-                                   default="rdma/rdma_shared_device_a", min_length=1),
+                                   default="rdma/rdma_shared_device_a",
+                                   pattern=corev1.QUALIFIED_NAME, max_length=317),
             "count": integer("Devices of resourceName each data pod requests.", default=1,
                              minimum=1, maximum=64),
             "nodeLabel": string(
                 "Node label (value `true`) marking RDMA-capable nodes; pods require it when "
                 "rdma.required, and prefer it otherwise.",
-                default="feature.node.kubernetes.io/rdma.available", min_length=1),
+                default="feature.node.kubernetes.io/rdma.available",
+                pattern=corev1.QUALIFIED_NAME, max_length=317),
         },
         default={},
         rules=(rule("!self.required || self.enabled", "rdma.required needs rdma.enabled",
@@ -511,6 +563,15 @@ def _metadata_backend() -> Schema:
     )
 
 
+def _pair_rule(role: str, other: str) -> Schema:
+    """A request needs a prefill and a decode pod: 0 of one role with some of the other serves
+    nothing (both 0 parks the cluster)."""
+    return rule(f"self.roles.{role}.replicas > 0 || self.roles.{other}.replicas == 0",
+                f"roles.{role}.replicas is 0 but roles.{other}.replicas is not: every request "
+                f"needs a prefill and a decode pod (set both to 0 to park the cluster)",
+                field_path=f".roles.{role}.replicas")
+
+
 def cluster_spec_schema() -> Schema:
     return obj(
         "Desired state of one disaggregated serving cluster: a Conductor (OpenAI API and "
@@ -524,9 +585,11 @@ def cluster_spec_schema() -> Schema:
             "imagePullSecrets": array("Secrets for pulling images.",
                                       string("Secret name.", pattern=DNS_LABEL), max_items=16),
             "serviceAccountName": string("ServiceAccount the pods run as (the namespace "
-                                         "default when empty; pods need no API access)."),
+                                         "default when empty; pods need no API access).",
+                                         pattern=OPTIONAL_DNS_SUBDOMAIN, max_length=253),
             "clusterDomain": string("DNS domain of the Kubernetes cluster.",
-                                    default="cluster.local", min_length=1),
+                                    default="cluster.local", pattern=DNS_SUBDOMAIN,
+                                    max_length=253),
             "model": _model(),
             "engine": _engine(),
             "roles": _roles(),
@@ -580,6 +643,16 @@ def cluster_spec_schema() -> Schema:
             rule("self.roles.master.replicas == 1 || self.metadataBackend.type == 'redis'",
                  "more than one master needs metadataBackend.type redis (leader election)",
                  field_path=".roles.master.replicas"),
+            rule("self.store.replicationFactor <= self.roles.store.replicas",
+                 "store.replicationFactor is above roles.store.replicas: every copy of a KV "
+                 "block needs its own store node",
+                 field_path=".store.replicationFactor",
+                 message_expression="'store.replicationFactor ' + "
+                                    "string(self.store.replicationFactor) + ' is above "
+                                    "roles.store.replicas ' + string(self.roles.store.replicas) "
+                                    "+ ': every copy of a KV block needs its own store node'"),
+            _pair_rule("prefill", "decode"),
+            _pair_rule("decode", "prefill"),
             rule("!self.autoscaling.enabled || (self.roles.prefill.replicas >= "
                  "self.autoscaling.prefill.minReplicas && self.roles.prefill.replicas <= "
                  "self.autoscaling.prefill.maxReplicas)",

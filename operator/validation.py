@@ -6,7 +6,12 @@ from the same schema; that is also how the unit tests prove each CEL rule reject
 Unknown fields are reported (as kubectl's strict field validation does) instead of silently
 pruned, so typos surface.
 
-Called by `cli.render` and the tests; the operator itself trusts the API server.
+After the schema, `admission` adds the rules the CRD cannot state (pod fields under
+Kubernetes' own rules, quantities compared with each other); `validate_cluster` reports them
+with the schema's errors, each as `<field path>: <message>`.
+
+Called by `cli.render` and the tests; the operator itself trusts the API server (and `render`
+re-runs the `admission` rules, which the API server does not know).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import copy
 import functools
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import celpy
@@ -22,6 +27,7 @@ import jsonschema
 from celpy import celtypes
 from celpy.adapter import json_to_cel
 
+from mooncake_k8s.operator import admission, corev1
 from mooncake_k8s.operator import schema as sch
 
 Schema = dict[str, Any]
@@ -57,9 +63,11 @@ def apply_defaults(s: Schema, value: Any) -> Any:
 
 
 def _path(parts: Iterator[Any] | list[Any]) -> str:
+    """`spec.roles.prefill.tolerations[0]`, `...nodeSelector[kubernetes.io/os]`: the same
+    spelling `corev1` uses, so one field reads the same in every message."""
     out = ""
     for p in parts:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+        out = corev1.at(out, p if isinstance(p, int) else str(p))
     return out or "<root>"
 
 
@@ -69,13 +77,30 @@ def _structural_errors(s: Schema, value: Any) -> list[str]:
                     key=lambda e: list(map(str, e.absolute_path))):
         where = _path(list(e.absolute_path))
         if e.validator == "anyOf" and e.schema.get("x-kubernetes-int-or-string"):
-            msg = f"{e.instance!r} is not a size; use a byte count or a quantity such as 4Gi"
+            msg = _int_or_string_message(e.schema, e.instance)
+        elif e.validator == "pattern" and e.validator_value in sch.PATTERN_MESSAGES:
+            msg = f"{e.instance!r} {sch.PATTERN_MESSAGES[e.validator_value]}"
         elif e.validator == "pattern":
             msg = f"{e.instance!r} does not match {e.validator_value}"
+        elif e.validator == "type" and e.instance is None:
+            msg = f"null is not of type {e.validator_value!r}"
         else:
             msg = e.message
         errors.append(f"{where}: {msg}")
     return errors
+
+
+def _int_or_string_message(s: Schema, value: Any) -> str:
+    """Why an int-or-string value failed: a byte size, or a resource quantity."""
+    patterns = [b.get("pattern") for b in s.get("anyOf", ()) if b.get("type") == "string"]
+    if corev1.QUANTITY not in patterns:
+        return f"{value!r} is not a size; use a byte count or a quantity such as 4Gi"
+    problems = corev1.quantity_errors(value, "")
+    if problems:
+        return problems[0].removeprefix(": ")
+    # A quantity the API server's int-or-string schema still refuses: a YAML float.
+    return (f"{value!r} must be an integer or a quoted quantity such as '500m' or "
+            f"'{value}'")
 
 
 def _unknown_fields(s: Schema, value: Any, path: list[Any]) -> Iterator[str]:
@@ -152,29 +177,57 @@ def _cel_errors(s: Schema, value: Any, old: Any, path: list[Any]) -> Iterator[st
             if key in value:
                 o = old.get(key) if isinstance(old, dict) else None
                 yield from _cel_errors(sub, value[key], o, [*path, key])
+    elif isinstance(value, list) and isinstance(s.get("items"), dict):
+        # Items of a plain list have no old counterpart: their transition rules do not run.
+        for i, v in enumerate(value):
+            yield from _cel_errors(s["items"], v, None, [*path, i])
 
 
-def validate(s: Schema, obj: dict[str, Any], old: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Default `obj` and return it, or raise `InvalidResource` listing every violation."""
+def validate(s: Schema, obj: dict[str, Any], old: dict[str, Any] | None = None,
+             extra: Callable[[dict[str, Any]], list[str]] | None = None) -> dict[str, Any]:
+    """Default `obj` and return it, or raise `InvalidResource` listing every violation.
+
+    `extra` adds rules outside the schema; like CEL rules they run only on an object whose
+    structure is valid. A violation both sides word identically is listed once.
+    """
     defaulted: dict[str, Any] = apply_defaults(s, obj)
     errors = list(_unknown_fields(s, defaulted, []))
     errors += _structural_errors(s, defaulted)
     if not errors:
         old_d = apply_defaults(s, old) if old is not None else None
         errors += list(_cel_errors(s, defaulted, old_d, []))
+        if extra is not None:
+            errors += extra(defaulted)
     if errors:
-        raise InvalidResource(errors)
+        raise InvalidResource(list(dict.fromkeys(errors)))
     return defaulted
 
 
-def validate_cluster(obj: dict[str, Any], old: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Admit a MooncakeCluster as the API server would (defaults applied to the result)."""
+def validate_cluster(obj: Any, old: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Admit a MooncakeCluster as the API server would (defaults applied to the result), plus
+    the `admission` rules. Any input, even one that is not a mapping, ends in a result or an
+    `InvalidResource`."""
+    if not isinstance(obj, dict):
+        raise InvalidResource([f"<root>: a MooncakeCluster is a mapping with apiVersion, kind, "
+                               f"metadata and spec, got {corev1.kind_of(obj)}"])
     api = f"{sch.GROUP}/{sch.VERSION}"
-    if obj.get("apiVersion") != api or obj.get("kind") != "MooncakeCluster":
-        raise InvalidResource([
-            f"<root>: expected apiVersion {sch.GROUP}/{sch.VERSION} and kind MooncakeCluster, "
-            f"got {obj.get('apiVersion')!r} {obj.get('kind')!r}"])
-    name = (obj.get("metadata") or {}).get("name")
-    if not isinstance(name, str) or not re.match(sch.DNS_LABEL, name):
-        raise InvalidResource([f"metadata.name: {name!r} is not a DNS label"])
-    return validate(sch.cluster_schema(), obj, old)
+    errors = []
+    if obj.get("apiVersion") != api:
+        errors.append(f"apiVersion: {obj.get('apiVersion')!r} is not served here; expected "
+                      f"apiVersion {api}")
+    if obj.get("kind") != "MooncakeCluster":
+        errors.append(f"kind: {obj.get('kind')!r} is not served here; expected kind "
+                      "MooncakeCluster")
+    if errors:
+        raise InvalidResource(errors)  # another kind: its spec means nothing here
+    errors = admission.metadata_errors(obj.get("metadata"))
+    if not isinstance((obj.get("metadata") or {}).get("name"), str):
+        raise InvalidResource(errors)  # the schema's rules read metadata.name
+    try:
+        defaulted = validate(sch.cluster_schema(), obj, old,
+                             lambda c: admission.spec_errors(c["spec"]))
+    except InvalidResource as e:
+        raise InvalidResource(errors + e.errors) from None
+    if errors:
+        raise InvalidResource(errors)
+    return defaulted

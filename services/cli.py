@@ -15,6 +15,7 @@ import click
 
 from mooncake_k8s.cli_sidecar import sidecar as _sidecar_command
 from mooncake_k8s.cliopts import (  # noqa: F401 (re-exported for tests and plugins)
+    MASTERS,
     SIZE,
     SizeType,
     _check_bind,
@@ -76,6 +77,24 @@ def store() -> None:
               help="A node silent this long is dead; its replicas are dropped.")
 @click.option("--max-object-size", envvar="MOONCAKE_MAX_OBJECT_SIZE", default="1GiB",
               show_default=True, show_envvar=True, type=SIZE)
+@click.option("--fast-port", envvar="MOONCAKE_MASTER_FAST_PORT", default=0, show_default=True,
+              show_envvar=True, type=click.IntRange(-1, 65535),
+              help="Port of the fast path for puts and lookups (a lean protocol beside gRPC; "
+                   "clients find it by themselves); 0 = any free port, -1 = off.")
+@click.option("--metadata-backend", envvar="MOONCAKE_METADATA_BACKEND", default="embedded",
+              show_default=True, show_envvar=True, type=click.Choice(["embedded", "redis"]),
+              help="embedded: one master. redis: several masters, one leads by a lease in "
+                   "Redis; the others stand by and take over.")
+@click.option("--redis-url", envvar="MOONCAKE_REDIS_URL", default="", show_envvar=True,
+              help="Redis for --metadata-backend redis, e.g. redis://:password@redis:6379/0.")
+@click.option("--advertise", envvar="MOONCAKE_MASTER_ADVERTISE", default="", show_envvar=True,
+              help="host:port clients reach this master at (the leader address standbys "
+                   "hand out); default: the bound address.")
+@click.option("--ha-prefix", envvar="MOONCAKE_HA_PREFIX", default="mooncake", show_default=True,
+              show_envvar=True, help="Prefix of this cluster's keys in Redis.")
+@click.option("--ha-lease-ms", envvar="MOONCAKE_HA_LEASE_MS", default=2000, show_default=True,
+              show_envvar=True, type=click.IntRange(200, 60_000),
+              help="Leader lease; a dead leader is replaced about this long after it stopped.")
 @click.option("--allow-any-address", is_flag=True,
               help="Permit binding every interface (0.0.0.0, :: in any spelling).")
 @_with_logs
@@ -83,10 +102,16 @@ def store_master(
     host: str, port: int, metrics_port: int, token: str, high_watermark: float,
     low_watermark: float, lease_ms: int, put_timeout_s: float, put_claim_s: float,
     state_dir: str | None, recovery_grace_s: float, node_timeout_s: float,
-    max_object_size: int, allow_any_address: bool, log_level: str, log_format: str,
+    max_object_size: int, fast_port: int, metadata_backend: str, redis_url: str,
+    advertise: str,
+    ha_prefix: str, ha_lease_ms: int, allow_any_address: bool, log_level: str,
+    log_format: str,
 ) -> None:
     """Run the store master (metadata, allocation, leases, eviction; never in the data path)."""
     host = _check_bind(host, allow_any_address)
+    if metadata_backend == "redis" and not redis_url:
+        raise click.BadParameter("--metadata-backend redis needs a Redis URL",
+                                 param_hint="--redis-url")
     if low_watermark >= high_watermark:
         raise click.BadParameter("must be below --high-watermark", param_hint="--low-watermark")
     from mooncake_k8s.common.logs import setup_logging
@@ -101,14 +126,18 @@ def store_master(
             high_watermark=high_watermark, low_watermark=low_watermark, lease_ms=lease_ms,
             put_timeout_s=put_timeout_s, put_claim_s=put_claim_s, state_dir=state_dir,
             recovery_grace_s=recovery_grace_s, node_timeout_s=node_timeout_s,
-            max_object_size=max_object_size,
+            max_object_size=max_object_size, fast_port=fast_port,
+            metadata_backend=metadata_backend,
+            redis_url=redis_url, advertise=advertise, ha_prefix=ha_prefix,
+            ha_lease_ms=ha_lease_ms,
         )
     )
 
 
 @store.command("node")
-@click.option("--master", envvar="MOONCAKE_MASTER", default="127.0.0.1:50051", show_default=True,
-              show_envvar=True, help="Master address host:port.")
+@click.option("--master", envvar="MOONCAKE_MASTER", type=MASTERS, default="127.0.0.1:50051",
+              show_default=True, show_envvar=True,
+              help="Master address host:port, or the comma-separated list of an HA group.")
 @click.option("--node-id", envvar="MOONCAKE_NODE_ID", default=None, show_envvar=True,
               help="Unique node id [default: hostname-pid].")
 @click.option("--host", envvar="MOONCAKE_NODE_HOST", default="127.0.0.1", show_default=True,
@@ -159,7 +188,8 @@ def store_node(
 
 
 @store.command("stats")
-@click.option("--master", envvar="MOONCAKE_MASTER", default="127.0.0.1:50051", show_default=True,
+@click.option("--master", envvar="MOONCAKE_MASTER", type=MASTERS, default="127.0.0.1:50051",
+              show_default=True,
               show_envvar=True)
 @_token_opt
 def store_stats(master: str, token: str) -> None:

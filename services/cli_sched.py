@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from mooncake_k8s.cliopts import SIZE, _token_opt
+from mooncake_k8s.cliopts import MASTERS, SIZE, _token_opt
 
 
 def _fail(msg: str) -> None:
@@ -205,7 +205,7 @@ def analyze(trace_path: str, json_out: str | None, plot_out: str | None,
 @click.option("--model", default=None, help="Model name [default: the one served].")
 @click.option("--out", required=True, type=click.Path(dir_okay=False),
               help="Where to write the cost model (.json, or .yaml).")
-@click.option("--master", envvar="MOONCAKE_MASTER", default=None, show_envvar=True,
+@click.option("--master", envvar="MOONCAKE_MASTER", type=MASTERS, default=None, show_envvar=True,
               help="Store master: read the KV block size from its events.")
 @_token_opt
 @click.option("--kv-bytes-per-token", default=None, type=click.IntRange(1),

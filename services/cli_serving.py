@@ -14,7 +14,14 @@ from typing import Any, TypeVar
 
 import click
 
-from mooncake_k8s.cliopts import SIZE, _check_bind, _token_opt, _warn_no_token, _with_logs
+from mooncake_k8s.cliopts import (
+    MASTERS,
+    SIZE,
+    _check_bind,
+    _token_opt,
+    _warn_no_token,
+    _with_logs,
+)
 
 _host_opts = [
     click.option("--host", envvar="MOONCAKE_HOST", default="127.0.0.1", show_default=True,
@@ -38,7 +45,7 @@ _model_opts = [
                  type=click.IntRange(1, 1024), help="CPU threads for the engine."),
 ]
 _worker_opts = [
-    click.option("--master", envvar="MOONCAKE_MASTER", default="127.0.0.1:50051",
+    click.option("--master", envvar="MOONCAKE_MASTER", type=MASTERS, default="127.0.0.1:50051",
                  show_default=True, show_envvar=True, help="Store master address."),
     click.option("--engine", "engine_kind", envvar="MOONCAKE_ENGINE", default="embedded",
                  show_default=True, show_envvar=True,
@@ -64,6 +71,10 @@ _worker_opts = [
                  help="Deployment revision; the Conductor pairs prefill and decode of one."),
     click.option("--transfer-protocol", envvar="MOONCAKE_TRANSFER_PROTOCOL", default="auto",
                  show_default=True, show_envvar=True, type=click.Choice(["auto", "rdma", "tcp"])),
+    click.option("--store-replicas", envvar="MOONCAKE_STORE_REPLICAS", default=1,
+                 show_default=True, show_envvar=True, type=click.IntRange(1, 8),
+                 help="Copies of each KV block written to the pool (on distinct nodes): more "
+                      "survive node loss, at the cost of capacity and write time."),
     click.option("--max-batch", envvar="MOONCAKE_MAX_BATCH", default=32, show_default=True,
                  show_envvar=True, type=click.IntRange(1, 4096)),
     click.option("--sidecar", envvar="MOONCAKE_SIDECAR", default="", show_envvar=True,
@@ -135,6 +146,9 @@ def _worker(role: str, o: dict[str, Any], **extra: Any) -> None:
             raise click.UsageError(f"{bad} is set by the worker for --engine {kind}; use the "
                                    "worker's own option instead")
     transport = "tcp" if o["transfer_protocol"] == "tcp" else "auto"
+    # Every writer in this worker, including an engine's plug-in in its child process, reads
+    # the copies per block from here (`StoreClient`'s default).
+    os.environ["MOONCAKE_STORE_REPLICAS"] = str(o["store_replicas"])
     from mooncake_k8s.common.logs import setup_logging
     from mooncake_k8s.common.tracing import setup_tracing
     from mooncake_k8s.worker.base import WorkerConfig
@@ -239,7 +253,7 @@ _edge_opts = [
               help="Prefill instances: host:port,host:port or dns:SERVICE:PORT.")
 @click.option("--decode", "decode_spec", envvar="MOONCAKE_DECODE", required=True,
               show_envvar=True, help="Decode instances, same forms as --prefill.")
-@click.option("--master", envvar="MOONCAKE_MASTER", default="127.0.0.1:50051",
+@click.option("--master", envvar="MOONCAKE_MASTER", type=MASTERS, default="127.0.0.1:50051",
               show_default=True, show_envvar=True, help="Store master (prefix lookups).")
 @click.option("--api-keys-file", envvar="MOONCAKE_API_KEYS_FILE", default=None,
               show_envvar=True, type=click.Path(exists=True, dir_okay=False),
@@ -305,13 +319,22 @@ def conductor(**o: Any) -> None:
 @click.option("--sidecar", "with_sidecar", is_flag=True,
               help="Give each worker a transfer sidecar (`mooncake sidecar`) as a pod has: "
                    "SGLang's KV pool traffic then goes through its Unix socket.")
+@click.option("--max-restarts", default=5, show_default=True, type=click.IntRange(0, 1000),
+              help="A child that exits is restarted with backoff; this many exits of one "
+                   "child within --restart-window is a crash loop and stops everything "
+                   "(0: the first exit stops everything).")
+@click.option("--restart-window", default=120.0, show_default=True,
+              type=click.FloatRange(min=1.0), help="Seconds (see --max-restarts).")
 @click.argument("engine_argv", nargs=-1, type=click.UNPROCESSED)
 @_apply(_model_opts)
 @_apply(_sched_opts)
 def up(**o: Any) -> None:
     """Start a whole cluster on this machine (master, store, prefill, decode, Conductor)."""
+    from mooncake_k8s.common.logs import setup_logging
+    from mooncake_k8s.supervise import RestartPolicy
     from mooncake_k8s.up import UpConfig, run_up
 
+    setup_logging("up", "info", json_format=False)  # restarts are logged to stderr
     if o["engine_kind"] != "embedded":
         problem = _engine_checks(o["engine_kind"])[0]
         if problem:
@@ -325,6 +348,8 @@ def up(**o: Any) -> None:
         device=o["device"], threads=o["threads"], ready_timeout_s=o["ready_timeout"],
         engine=o["engine_kind"], engine_args=[*o["engine_args"], *o["engine_argv"]],
         sidecar=o["with_sidecar"],
+        restart_policy=RestartPolicy(max_restarts=o["max_restarts"],
+                                     window_s=o["restart_window"]),
         extra_env={env: str(o[key]) for key, env in (
             ("scheduler", "MOONCAKE_SCHEDULER"), ("cost_model", "MOONCAKE_COST_MODEL"),
             ("ttft_slo_ms", "MOONCAKE_TTFT_SLO_MS"), ("tbt_slo_ms", "MOONCAKE_TBT_SLO_MS"))

@@ -39,6 +39,25 @@ class SizeType(click.ParamType):  # type: ignore[type-arg]
 SIZE = SizeType()
 
 
+class MastersType(click.ParamType):  # type: ignore[type-arg]
+    """One store master address or a comma-separated list of them (an HA group)."""
+
+    name = "host:port[,host:port...]"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> str:
+        from mooncake_k8s.common.errors import InvalidArgument
+        from mooncake_k8s.store.masterlink import parse_masters
+
+        try:
+            return ",".join(parse_masters(str(value)))
+        except InvalidArgument as e:
+            self.fail(str(e), param, ctx)
+
+
+MASTERS = MastersType()
+
+
 def _warn_no_token(token: str) -> None:
     if not token:
         click.echo(

@@ -4,11 +4,16 @@ The master, one storage node, N prefill and M decode workers and the Conductor e
 child process on 127.0.0.1 (the same `mooncake` commands a Kubernetes pod runs), sharing a
 random cluster token that exists only in their environment. `LocalCluster` is also what the
 end-to-end tests and the serving benchmark start, so they exercise exactly this.
+
+`run_up` keeps them running as Kubernetes would: a child that exits is started again with the
+same arguments (`supervise` decides when, and when a crash loop ends it all); `LocalCluster`
+alone, as tests use it, still fails as soon as any child exits (`check_alive`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -22,8 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mooncake_k8s.common.netutil import free_port
+from mooncake_k8s.common.netutil import free_service_port
 from mooncake_k8s.store.testing import Proc
+from mooncake_k8s.supervise import RestartPolicy, Supervisor
 
 
 @dataclass
@@ -51,6 +57,8 @@ class UpConfig:
     """Give each worker a transfer sidecar (`mooncake sidecar`), as the operator does in a pod:
     the engine's KV pool traffic then goes through its Unix socket (SGLang workers)."""
     sidecar_staging_size: int = 64 << 20
+    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
+    """How `run_up` restarts a child that exits, and when it gives up (`supervise`)."""
 
 
 #: vLLM flags `mooncake up --engine vllm` adds when none are given and no GPU is present:
@@ -71,8 +79,10 @@ class LocalCluster:
         self.log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="mooncake-up-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, Proc] = {}
-        self.master_port = free_port(config.host)
-        self.port = config.port or free_port(config.host)
+        # Ports outside the ephemeral range: a restarted child binds its port again, and an
+        # outgoing connection must not have taken it meanwhile.
+        self.master_port = free_service_port(config.host)
+        self.port = config.port or free_service_port(config.host)
         self.prefill_ports: list[int] = []
         self.decode_ports: list[int] = []
 
@@ -127,19 +137,19 @@ class LocalCluster:
         c = self.config
         h = c.host
         prepare_model(c, self.echo)
-        mport = free_port(h)
+        mport = free_service_port(h)
         # A state dir tells the master this is a first start (no nodes to wait for) and, after a
         # restart, exactly which nodes it knew.
         self._spawn("master", ["store", "master", "--host", h, "--port", str(self.master_port),
                                "--metrics-port", str(mport),
                                "--state-dir", str(self.log_dir / "master-state")], mport)
-        nport = free_port(h)
+        nport = free_service_port(h)
         self._spawn("store-node", ["store", "node", "--master", self.master, "--host", h,
                                    "--node-id", "store-0", "--dram-size", str(c.store_size),
                                    "--metrics-port", str(nport)], nport)
         for role, count in (("prefill", c.prefill), ("decode", c.decode)):
             for i in range(count):
-                port, hport = free_port(h), free_port(h)
+                port, hport = free_service_port(h), free_service_port(h)
                 args = [role, "--host", h, "--port", str(port), "--master", self.master,
                         "--metrics-port", str(hport), "--instance-id", f"{role}-{i}",
                         *self._model_args(), *self._engine_args()]
@@ -173,14 +183,35 @@ class LocalCluster:
         old = self.procs[name]
         if old.alive():
             raise RuntimeError(f"{name} is still running")
+        _kill_group(old)  # what the dead leader left behind (an engine's own processes)
         return self._spawn(name, old.args, old.metrics_port)
 
-    def wait_ready(self) -> None:
-        """Block until every worker's /readyz and the Conductor's /readyz say 200."""
+    def supervise(self, policy: RestartPolicy) -> Supervisor:
+        """A supervisor over every started process; each change is written to `status_path`
+        (state, pid and restart count per child: the restart counter of `mooncake up`)."""
+        sup = Supervisor(policy)
+        sup.on_change = lambda: self.write_status(sup)
+        for name in self.procs:
+            sup.add(_ClusterChild(self, name))
+        self.write_status(sup)
+        return sup
+
+    @property
+    def status_path(self) -> Path:
+        return self.log_dir / "up-status.json"
+
+    def write_status(self, sup: Supervisor) -> None:
+        tmp = self.status_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"url": self.base_url, "children": sup.status()}, indent=1))
+        tmp.replace(self.status_path)
+
+    def wait_ready(self, check: Callable[[], None] | None = None) -> None:
+        """Block until every worker's /readyz and the Conductor's /readyz say 200. `check`
+        runs each round (default: fail as soon as any process has exited)."""
         deadline = time.monotonic() + self.config.ready_timeout_s
         pending = [n for n in self.procs if n.startswith(("prefill", "decode"))] + ["conductor"]
         while pending:
-            self.check_alive()
+            (check or self.check_alive)()
             name = pending[0]
             if _http_ok(f"http://{self.config.host}:{self.procs[name].metrics_port}/readyz"):
                 self.echo(f"  {name} ready")
@@ -220,6 +251,8 @@ class LocalCluster:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.popen.pid, signal.SIGKILL)
                 p.popen.wait(timeout=10)
+        for p in order:
+            _kill_group(p)
 
     def __enter__(self) -> LocalCluster:
         try:
@@ -232,6 +265,37 @@ class LocalCluster:
 
     def __exit__(self, *_exc: object) -> None:
         self.stop()
+
+
+class _ClusterChild:
+    """One of `LocalCluster`'s processes as the supervisor sees it (`supervise.Child`)."""
+
+    def __init__(self, cluster: LocalCluster, name: str) -> None:
+        self.cluster = cluster
+        self.name = name
+
+    @property
+    def pid(self) -> int:
+        return self.cluster.procs[self.name].popen.pid
+
+    def poll(self) -> int | None:
+        return self.cluster.procs[self.name].popen.poll()
+
+    def restart(self) -> None:
+        self.cluster.respawn(self.name)
+
+    def log_tail(self) -> str:
+        lines = self.cluster.procs[self.name].log().splitlines()
+        return "\n".join(lines[-20:])
+
+
+def _kill_group(p: Proc) -> None:
+    """SIGKILL whatever is left in an exited child's process group (each child leads its own
+    session). Linux keeps a pid unused while a group of that id has members; an empty group
+    gives ESRCH."""
+    if p.popen.poll() is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(p.popen.pid, signal.SIGKILL)
 
 
 def _http_ok(url: str) -> bool:
@@ -253,7 +317,13 @@ def prepare_model(config: UpConfig, echo: Callable[[str], None]) -> None:
     echo(f"  model cache: {path}")
 
 
+class _Interrupted(Exception):
+    pass
+
+
 def run_up(config: UpConfig, echo: Callable[[str], None] = print) -> None:
+    """Start everything, keep it running (`supervise`: a child that exits is restarted with
+    backoff) until Ctrl-C/SIGTERM or a crash loop, then stop every child."""
     cluster = LocalCluster(config, echo)
     stop = {"signal": 0}
 
@@ -267,7 +337,14 @@ def run_up(config: UpConfig, echo: Callable[[str], None] = print) -> None:
     code = 0
     try:
         cluster.start()
-        cluster.wait_ready()
+        sup = cluster.supervise(config.restart_policy)
+
+        def tick() -> None:
+            if stop["signal"]:
+                raise _Interrupted
+            sup.step()
+
+        cluster.wait_ready(check=tick)
         url = cluster.base_url
         model = config.served_model_name or "SmolLM2-135M-Instruct"
         auth = ' -H "Authorization: Bearer $KEY"' if config.api_keys_file else ""
@@ -275,9 +352,12 @@ def run_up(config: UpConfig, echo: Callable[[str], None] = print) -> None:
         echo(f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
              f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
              f"\"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32}}'\n")
-        while not stop["signal"]:
-            cluster.check_alive()
+        echo(f"  a child that exits is restarted; restarts are counted in {cluster.status_path}")
+        while True:
+            tick()
             time.sleep(0.3)
+    except _Interrupted:
+        pass
     except (RuntimeError, TimeoutError) as e:
         echo(f"error: {e}")
         code = 1

@@ -17,6 +17,9 @@ the handshake, and any send or receive that stalls), far below the whole call's 
 a paused or black-holed replica costs about one attempt before the next replica is read; the
 failed peer is then read last for a few seconds (`failover.PeerHealth`).
 
+Several masters (`master` is a comma-separated list; `--metadata-backend redis`): calls go to
+whichever one leads and follow a failover, see `masterlink`.
+
 Location cache: a lookup's read lease guarantees the master will neither free nor evict the
 object's space until it expires, so the client may reuse the replica list until shortly before
 then without asking again. That turns a repeated get into a pure data-path copy. The checksum
@@ -26,7 +29,7 @@ is still verified on every read.
 from __future__ import annotations
 
 import contextlib
-import random
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -52,8 +55,14 @@ from mooncake_k8s.common.errors import (
 )
 from mooncake_k8s.common.netutil import local_host_id
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.common.rpc import store_pb2_grpc as pb_grpc
 from mooncake_k8s.store.failover import PeerHealth
+from mooncake_k8s.store.masterlink import (
+    LEADER_KEY,
+    RECOVERING_KEY,
+    STANDBY_KEY,
+    MasterLink,
+    trailers_of,
+)
 from mooncake_k8s.transfer import Peer, ReadOp, SegmentDesc, Tier, TransferEngine, WriteOp
 
 _PLACEMENTS = {
@@ -63,12 +72,9 @@ _PLACEMENTS = {
 }
 _TIERS = {pb.DRAM: Tier.DRAM, pb.SSD: Tier.SSD}
 _MAX_MSG = 64 << 20
-_RECOVERING_KEY = "mooncake-recovering"  # = master.RECOVERING_KEY (no server import here)
 _SAFE_TO_RETRY = frozenset({"GetReplicas", "Exists", "Stats", "Pin", "ReleaseLease"})
 """Calls that change nothing a second attempt could trip over; others are retried only when
 the master said it did nothing (the recovering trailer)."""
-_RETRY_FIRST_S = 0.02
-_RETRY_MAX_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -120,7 +126,12 @@ class StoreClient:
 
     `transport` forces "shm" or "tcp" (benchmarks, tests); "auto" picks shm for same-host
     replicas. `lease_ms` is the read lease asked for on lookups; `location_cache=False` makes
-    every get ask the master. `timeout_s` bounds a whole call (master retries included);
+    every get ask the master. `master` is one address or a comma-separated list of them (the
+    masters of an HA pair); with several, `master_attempt_s` bounds each attempt on one of them.
+    `timeout_s` bounds a whole call (master retries included);
+    `replicas` is the copies a put makes unless it says otherwise; by default
+    MOONCAKE_STORE_REPLICAS (what the operator renders from `store.replicationFactor`, so it
+    reaches the engines' plug-ins in their child processes too) or 1.
     `attempt_timeout_s` bounds one transfer attempt against one replica's node without
     progress, and `suspect_s` is how long a node that failed one is read last.
     """
@@ -140,6 +151,8 @@ class StoreClient:
         suspect_s: float = 5.0,
         verify: bool = True,
         host_id: str | None = None,
+        master_attempt_s: float = 2.0,
+        replicas: int | None = None,
     ) -> None:
         if transport not in ("auto", "shm", "tcp"):
             raise InvalidArgument(f"transport must be auto, shm or tcp, not {transport!r}")
@@ -149,10 +162,14 @@ class StoreClient:
             )
         if suspect_s < 0:
             raise InvalidArgument(f"suspect_s must be >= 0, got {suspect_s}")
+        self.replicas = default_replicas() if replicas is None else replicas
+        if not 1 <= self.replicas <= 8:
+            raise InvalidArgument(f"replicas must be 1..8, got {self.replicas}")
         self._health = PeerHealth(suspect_s)
         self._host_id = host_id or local_host_id()
-        self._channel = grpc.insecure_channel(
-            master,
+        self._md = auth.call_metadata(token)
+        self._link = MasterLink(
+            master, self._md,
             options=[
                 ("grpc.max_receive_message_length", _MAX_MSG),
                 ("grpc.max_send_message_length", _MAX_MSG),
@@ -160,9 +177,8 @@ class StoreClient:
                 ("grpc.min_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 1000),
             ],
+            attempt_s=master_attempt_s, token=token,
         )
-        self._stub: Any = pb_grpc.MasterStub(self._channel)  # type: ignore[no-untyped-call]
-        self._md = auth.call_metadata(token)
         self._timeout = timeout_s
         self._lease_ms = lease_ms
         self._verify = verify
@@ -177,7 +193,7 @@ class StoreClient:
 
     def close(self) -> None:
         self.engine.close()
-        self._channel.close()
+        self._link.close()
 
     def __enter__(self) -> StoreClient:
         return self
@@ -204,11 +220,12 @@ class StoreClient:
         key: str,
         data: Any,
         *,
-        replicas: int = 1,
+        replicas: int | None = None,
         placement: str = "local_first",
         preferred_segment: str | None = None,
     ) -> None:
-        """Store `data` under `key`; raises ObjectExists if the key is already stored."""
+        """Store `data` under `key`; raises ObjectExists if the key is already stored.
+        `replicas` defaults to the client's (`replicas` at construction)."""
         err = self.batch_put(
             [key], [data], replicas=replicas, placement=placement,
             preferred_segment=preferred_segment,
@@ -221,7 +238,7 @@ class StoreClient:
         keys: Sequence[str],
         datas: Sequence[Any],
         *,
-        replicas: int = 1,
+        replicas: int | None = None,
         placement: str = "local_first",
         preferred_segment: str | None = None,
     ) -> list[Exception | None]:
@@ -229,6 +246,7 @@ class StoreClient:
         if len(keys) != len(datas):
             raise InvalidArgument("keys and datas differ in length")
         views = [byte_view(d) for d in datas]
+        replicas = self.replicas if replicas is None else replicas
         reqs = [
             self._put_start_request(k, len(v), replicas, placement, preferred_segment)
             for k, v in zip(keys, views, strict=True)
@@ -495,36 +513,38 @@ class StoreClient:
 
     def watch(self, node_id: str = "") -> Iterator[pb.BlockEvent]:
         """Block events (stored, evicted, removed, spilled, promoted) as they happen."""
+        addr, stub = self._link.stub()
         try:
-            yield from self._stub.Watch(pb.WatchRequest(node_id=node_id), metadata=self._md)
+            yield from stub.Watch(pb.WatchRequest(node_id=node_id), metadata=self._md)
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.CANCELLED:
+                t = trailers_of(e)
+                self._link.failed(addr, t.get(LEADER_KEY, "") if STANDBY_KEY in t else "")
                 raise _rpc_error(e, "Watch") from e
 
     def _call(self, method: str, request: Any) -> Any:
-        """One master call, retried on UNAVAILABLE where that is safe (module docstring)."""
-        fn = getattr(self._stub, method)
-        deadline = time.monotonic() + self._timeout
-        delay = _RETRY_FIRST_S
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                return fn(request, metadata=self._md, timeout=max(left, 0.001))
-            except grpc.RpcError as e:
-                if not _retryable(e, method) or time.monotonic() + delay >= deadline:
-                    raise _rpc_error(e, method) from e
-            time.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, _RETRY_MAX_S)
+        """One master call, retried on UNAVAILABLE where that is safe (module docstring), and
+        sent to whichever master leads (`masterlink`)."""
+        try:
+            return self._link.call(method, request, self._timeout, _retryable)
+        except grpc.RpcError as e:
+            raise _rpc_error(e, method) from e
+
+
+def default_replicas() -> int:
+    """MOONCAKE_STORE_REPLICAS, or 1; InvalidArgument names the variable when it is bad."""
+    raw = os.environ.get("MOONCAKE_STORE_REPLICAS", "").strip() or "1"
+    if not raw.isdigit() or not 1 <= int(raw) <= 8:
+        raise InvalidArgument(f"MOONCAKE_STORE_REPLICAS must be an integer 1..8, not {raw!r}")
+    return int(raw)
 
 
 def _retryable(e: grpc.RpcError, method: str) -> bool:
-    if e.code() != grpc.StatusCode.UNAVAILABLE:
+    if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return False
     if method in _SAFE_TO_RETRY:
         return True
-    # (key, value) pairs at run time, whatever grpc-stubs says
-    trailers: Any = e.trailing_metadata() or ()  # type: ignore[attr-defined]
-    return any(k == _RECOVERING_KEY for k, _ in trailers)
+    return RECOVERING_KEY in trailers_of(e)
 
 
 def _end_error(key: str, code: str, message: str) -> StoreError:

@@ -17,24 +17,29 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from mooncake_k8s.common.metrics import LATENCY_BUCKETS, serve_metrics
 from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.common.rpcserver import MAX_MESSAGE
+from mooncake_k8s.store.fastpath import FastPathServer
+from mooncake_k8s.store.ha import RedisCoordinator
+from mooncake_k8s.store.masterlink import RECOVERING_KEY
 from mooncake_k8s.store.metadata import MasterState
 from mooncake_k8s.store.recovery import NodeRoster, RecoveryGate
-from mooncake_k8s.store.servicer import RECOVERING_KEY, SERVICE, Handlers, MasterServicer
+from mooncake_k8s.store.servicer import SERVICE, Handlers, MasterServicer
 
 __all__ = ["RECOVERING_KEY", "SERVICE", "MasterConfig", "MasterServer", "run_master"]
 
@@ -77,11 +82,28 @@ class MasterConfig:
     heartbeat_interval_ms: int = 1000
     max_object_size: int = 1 << 30
     tick_interval_s: float = 0.05
+    fast_port: int = 0
+    """Port of the fast path for the hot calls (`fastpath`) on `host`; 0 picks a free one,
+    -1 turns it off (clients then use gRPC for everything)."""
     workers: int = 8
     """Threads of the executor for the calls kept off the event loop (RegisterNode); streams
     and other calls need none."""
     event_queue: int = 10_000
     """Events buffered per Watch subscriber before it is disconnected as too slow."""
+    metadata_backend: str = "embedded"
+    """"embedded": one master, metadata in its memory (rebuilt from the nodes after a restart).
+    "redis": several masters, one leads by a lease in Redis (`ha`)."""
+    redis_url: str = ""
+    """Redis for the "redis" backend (may hold a password: never logged)."""
+    advertise: str = ""
+    """host:port under which clients reach this master (the leader hint standbys give);
+    defaults to the bound address."""
+    ha_prefix: str = "mooncake"
+    """Prefix of this cluster's keys in Redis (one Redis may serve several clusters)."""
+    ha_lease_ms: int = 2000
+    """Leader lease: a dead leader is replaced about this long after it stopped renewing."""
+    journal_keep_s: float = 30.0
+    """How long the commit journal keeps an entry (far beyond a node applying it)."""
 
 
 class _StateCollector(Collector):
@@ -143,22 +165,45 @@ class MasterServer:
             node_timeout_s=config.node_timeout_s, max_object_size=config.max_object_size,
             event_queue=config.event_queue,
         )
+        if config.metadata_backend not in ("embedded", "redis"):
+            raise ValueError(f"metadata backend must be embedded or redis, not "
+                             f"{config.metadata_backend!r}")
+        if config.metadata_backend == "redis" and not config.redis_url:
+            raise ValueError("the redis metadata backend needs a Redis URL (--redis-url)")
+        self.ha: RedisCoordinator | None = None
         self.roster = NodeRoster(config.state_dir) if config.state_dir else None
-        expected = self.roster.load() if self.roster else None
-        self.gate = RecoveryGate(expected, config.recovery_grace_s)
+        if config.metadata_backend == "redis":
+            self.roster = None  # the roster lives in Redis
+            expected: frozenset[str] | None = None
+            grace = 1e9  # a standby's gate: opened by a new gate when it is promoted
+        else:
+            expected = self.roster.load() if self.roster else None
+            grace = config.recovery_grace_s
+        self.gate = RecoveryGate(expected, grace)
+        self._ha_roster: frozenset[str] = frozenset()
+        self.exit_code = 0
         self.registry = CollectorRegistry()
-        self.registry.register(_StateCollector(self.state, self.gate))
+        self._collector = _StateCollector(self.state, self.gate)
+        self.registry.register(self._collector)
         self._rpc_seconds = Histogram(
             "mooncake_master_rpc_seconds", "Master RPC latency", ["method"],
             buckets=LATENCY_BUCKETS, registry=self.registry,
         )
         self._stopping = threading.Event()
         self._stopped = threading.Event()
+        self._leader = Gauge("mooncake_master_leader",
+                             "1 while this master leads (always 1 without HA)",
+                             registry=self.registry)
+        self._leader.set(0 if config.metadata_backend == "redis" else 1)
+        self._epoch = Gauge("mooncake_master_epoch", "Fencing token of this master's leadership",
+                            registry=self.registry)
         self._servicer = MasterServicer(self.state, config, self._stopping, self.gate)
-        self._handlers = Handlers(self._servicer, config.token, self._rpc_seconds, self._stopping)
+        self._handlers: Handlers | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._server: grpc.aio.Server | None = None
+        self._fast: FastPathServer | None = None
+        self.fast_port: int | None = None
         self._ticker: threading.Thread | None = None
         self.port = 0
         self.metrics_port: int | None = None
@@ -184,10 +229,25 @@ class MasterServer:
         thread.start()
         self._loop, self._loop_thread = loop, thread
         try:
+            if cfg.metadata_backend == "redis":
+                # The port must be known before the coordinator advertises it: bind first
+                # (every call is refused as a standby's until the lease is won).
+                self.ha = self._servicer.ha = RedisCoordinator(
+                    cfg.redis_url, "", prefix=cfg.ha_prefix, lease_ms=cfg.ha_lease_ms,
+                    journal_keep_s=cfg.journal_keep_s, master_id=self.state.master_id,
+                    on_promoted=self._promoted, on_deposed=self._deposed,
+                )
+            self._handlers = Handlers(
+                self._servicer, cfg.token, self._rpc_seconds, self._stopping)
             self.port = asyncio.run_coroutine_threadsafe(self._serve(), loop).result(timeout=60)
         except BaseException:
             self._close_loop()
             raise
+        if self.ha is not None:
+            self.ha.address = cfg.advertise or self.address
+            self.ha.start()
+            log.info("store master waiting for the leader lease",
+                     extra={"redis": self.ha.location, "advertise": self.ha.address})
         self._ticker = threading.Thread(target=self._tick_loop, name="master-tick", daemon=True)
         self._ticker.start()
         if cfg.metrics_port is not None and cfg.metrics_port >= 0:
@@ -206,6 +266,7 @@ class MasterServer:
             ("grpc.max_receive_message_length", MAX_MESSAGE),
             ("grpc.max_send_message_length", MAX_MESSAGE),
         ])
+        assert self._handlers is not None
         server.add_generic_rpc_handlers((self._handlers.generic_handler(),))
         target = f"[{cfg.host}]:{cfg.port}" if ":" in cfg.host else f"{cfg.host}:{cfg.port}"
         try:
@@ -216,15 +277,68 @@ class MasterServer:
             raise OSError(f"cannot bind the master server to {target}")
         await server.start()
         self._server = server
+        if cfg.fast_port >= 0:
+            self._fast = FastPathServer(self._handlers, cfg.token)
+            try:
+                self.fast_port = await self._fast.start(cfg.host, cfg.fast_port)
+            except OSError as e:
+                await server.stop(None)
+                raise OSError(f"cannot bind the master's fast path to {cfg.host}:"
+                              f"{cfg.fast_port}: {e}") from e
+            self._handlers.advertise_fast_port(self.fast_port)
         return int(bound)
+
+    # -- HA (Redis) ----------------------------------------------------------------------
+
+    def _promoted(self, epoch: int) -> None:
+        """Won the lease: rebuild from the nodes like a restarted master, waiting for the
+        roster the last leader kept in Redis."""
+        assert self.ha is not None
+        roster = self.ha.load_roster()
+        self._ha_roster = roster
+        self._servicer.pins = set(self.ha.load_pins())
+        self.gate = self._servicer.gate = self._collector._gate = RecoveryGate(
+            roster, self.config.recovery_grace_s)
+        self._leader.set(1)
+        self._epoch.set(epoch)
+        log.info("leading: rebuilding the metadata from the storage nodes",
+                 extra={"epoch": epoch, "known_nodes": len(roster),
+                        "pins": len(self._servicer.pins)})
+
+    def _deposed(self, reason: str) -> None:
+        """Lost the lease: this process's metadata may be stale, so it must never lead
+        again; it stops and exits (status 3) and its supervisor starts a clean standby."""
+        self._leader.set(0)
+        self.exit_code = 3
+        threading.Thread(target=self.stop, name="master-deposed", daemon=True).start()
+
+    def _ha_tick(self, last_trim: float) -> float:
+        ha = self.ha
+        if ha is None or not ha.is_leader or not self.gate.is_open:
+            return last_trim
+        ids = frozenset(self.state.node_ids())
+        if ids != self._ha_roster:
+            ha.save_roster(ids, self._ha_roster)
+            self._ha_roster = ids
+        now = time.monotonic()
+        if now - last_trim >= 5.0:
+            ha.trim_journal(ids)
+            return now
+        return last_trim
 
     def _tick_loop(self) -> None:
         roster_ok = True
+        last_trim = 0.0
         while not self._stopping.wait(self.config.tick_interval_s):
             try:
                 self.state.tick()
             except Exception:
                 log.exception("master tick failed")
+            try:
+                last_trim = self._ha_tick(last_trim)
+            except Exception as e:  # Redis trouble: the election thread decides what it means
+                log.warning("cannot update the roster or journal in redis",
+                            extra={"error": type(e).__name__})
             # The roster is what a restarted master waits for; while rebuilding, the roster
             # on disk still names the nodes not back yet, so it is kept until the gate opens.
             if self.roster is not None and self.gate.is_open:
@@ -241,8 +355,13 @@ class MasterServer:
         if self._stopping.is_set():
             return
         self._stopping.set()
+        if self.ha is not None:
+            self.ha.stop(resign=not self.ha.deposed.is_set())
         self.state.close()  # wakes every stream: they end on their own
         loop, server = self._loop, self._server
+        if loop is not None and self._fast is not None:
+            with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
+                asyncio.run_coroutine_threadsafe(self._fast.stop(), loop).result(5)
         if loop is not None and server is not None:
             try:
                 asyncio.run_coroutine_threadsafe(server.stop(grace), loop).result(grace + 10)
@@ -291,11 +410,15 @@ def run_master(config: MasterConfig) -> None:
     log.info(
         "store master listening",
         extra={"address": server.address, "master_id": server.master_id,
+               "fast_port": server.fast_port,
                "metrics_port": server.metrics_port, "auth": bool(config.token)},
     )
     try:
-        while not done.wait(0.5):
-            pass
+        while not done.wait(0.2):
+            if server.wait(0):  # stopped on its own (deposed)
+                break
     finally:
         server.stop()
         log.info("store master stopped", extra={"master_id": server.master_id})
+    if server.exit_code:
+        raise SystemExit(server.exit_code)

@@ -99,6 +99,7 @@ class NodeMembership:
         segments: Sequence[pb.SegmentInfo],
         inventory: Sequence[pb.InventoryItem] = (),
         incarnation: str = "",
+        journal: Sequence[pb.InventoryItem] = (),
     ) -> Registration:
         """(Re-)register a node.
 
@@ -108,6 +109,11 @@ class NodeMembership:
         different segments it is replaced. Inventory items that cannot be restored (overlap,
         conflict with a stored object, unknown segment) are rejected and the node is sent FREED
         for them.
+
+        `journal` holds commits an HA leader recorded for this node process that its inventory
+        may not list yet (the leader failed before the node heard of them, see `ha`): they are
+        restored like inventory, unless the node reports something at their location, and sent
+        to the node as COMMITTED.
         """
         if not node_id:
             raise InvalidArgument("node_id is empty")
@@ -158,6 +164,13 @@ class NodeMembership:
                     self._segments[seg.name] = seg
                 self._nodes[node_id] = node
             restored = sum(self._restore(node, item) for item in inventory)
+            held = {(it.segment, it.offset) for it in inventory}
+            for item in journal:
+                if (item.segment, item.offset) in held or not self._restore(node, item):
+                    continue
+                restored += 1
+                self._command(node, _CMD.COMMITTED, item.key, self._segments[item.segment],
+                              item.offset, item.size, item.checksum)
             log.info(
                 "node registered",
                 extra={"node_id": node_id, "address": address, "segments": len(segments),

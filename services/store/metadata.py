@@ -437,6 +437,22 @@ class MasterState(NodeMembership, TierPolicy):
 
     # -- removal, pinning ------------------------------------------------------------------
 
+    def replica_records(self, keys: Sequence[str]) -> list[tuple[str, str, pb.InventoryItem]]:
+        """(node id, node incarnation, item) for every replica of the committed `keys`: what
+        an HA leader journals before acknowledging a put (see `ha`)."""
+        out = []
+        with self._lock:
+            for key in keys:
+                obj = self._objects.get(key)
+                if obj is None or obj.hidden:
+                    continue
+                for rep in obj.reps:
+                    node = rep.seg.node
+                    out.append((node.node_id, node.incarnation, pb.InventoryItem(
+                        key=key, segment=rep.seg.name, offset=rep.offset, size=obj.size,
+                        checksum=obj.checksum)))
+        return out
+
     def remove(self, keys: Sequence[str], force: bool = False) -> list[bool]:
         """Remove objects; a leased one (unless `force`) is hidden now and freed after its
         last lease. False for unknown keys."""

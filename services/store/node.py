@@ -30,7 +30,7 @@ from mooncake_k8s.common.checksum import checksum
 from mooncake_k8s.common.metrics import serve_metrics
 from mooncake_k8s.common.netutil import local_host_id
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.common.rpc import store_pb2_grpc as pb_grpc
+from mooncake_k8s.store.masterlink import MasterLink
 from mooncake_k8s.transfer import Segment, Tier, TransferServer
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ class NodeConfig:
     """Settings of one storage node (flags / env vars of `mooncake store node`)."""
 
     master: str
-    """Master gRPC address, host:port."""
+    """Master gRPC address, host:port, or a comma-separated list of the masters (HA)."""
     node_id: str
     """Unique in the cluster; also names the node's segments."""
     token: str = ""
@@ -118,6 +118,7 @@ class StorageNode:
         self.metrics = _Metrics(self.registry)
         self.segments: dict[str, Segment] = {}
         self.inventory: dict[tuple[str, int], tuple[str, _Item]] = {}
+        self._used: dict[str, int] = {}  # bytes per segment held by the inventory
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._master_id = ""
@@ -128,9 +129,11 @@ class StorageNode:
         self.incarnation = uuid.uuid4().hex
         # Reconnect quickly after the master restarts: it answers nothing authoritative until
         # its known nodes re-registered, so every node's delay is everyone's delay.
-        self._channel = grpc.insecure_channel(config.master, options=RECONNECT_OPTIONS)
-        self._stub: Any = pb_grpc.MasterStub(self._channel)  # type: ignore[no-untyped-call]
         self._md = auth.call_metadata(config.token)
+        # `master` may list several masters (HA): the node follows whichever leads.
+        self._link = MasterLink(config.master, self._md, options=RECONNECT_OPTIONS)
+        self._session_master = ""
+        self._stream: Any = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -175,7 +178,7 @@ class StorageNode:
 
     def stop(self) -> None:
         self._stop.set()
-        self._channel.close()
+        self._link.close()
         for t in self._threads:
             t.join(timeout=2)
         if self._server is not None:
@@ -209,14 +212,16 @@ class StorageNode:
             )
             for s in self.segments.values()
         ]
-        resp = self._stub.RegisterNode(
+        resp = self._link.call(
+            "RegisterNode",
             pb.RegisterNodeRequest(
                 node_id=self.config.node_id, address=self.address, host_id=self.config.host_id,
                 segments=segments, inventory=inventory, incarnation=self.incarnation,
             ),
-            metadata=self._md, timeout=10,
+            timeout=10, retryable=_always,  # registering twice is harmless
         )
         self._master_id = resp.master_id
+        self._session_master = self._link.current
         self.metrics.registrations.inc()
         self._registered.set()
         log.info(
@@ -231,12 +236,15 @@ class StorageNode:
         while not self._stop.is_set():
             try:
                 self._register()
-                stream = self._stub.NodeCommands(
+                _, stub = self._link.stub(self._session_master)
+                stream = self._stream = stub.NodeCommands(
                     pb.NodeCommandsRequest(node_id=self.config.node_id, master_id=self._master_id),
                     metadata=self._md,
                 )
-                for cmd in stream:
-                    self._apply(cmd)
+                for batch in stream:
+                    for cmd in batch.commands:
+                        self._apply(cmd)
+                    self._refresh_usage_metrics()
                     if self._stop.is_set():
                         stream.cancel()
                         break
@@ -244,6 +252,8 @@ class StorageNode:
                 if self._stop.is_set():
                     return
                 log.warning("master session lost", extra={"code": str(e.code())})
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._link.failed(self._session_master)
             except Exception:
                 log.exception("master session failed")
             self._registered.clear()
@@ -256,42 +266,49 @@ class StorageNode:
                 continue
             usage = [pb.SegmentUsage(name=n, used=u) for n, u in self._usage().items()]
             try:
-                resp = self._stub.Heartbeat(
-                    pb.HeartbeatRequest(node_id=self.config.node_id, usage=usage),
-                    metadata=self._md, timeout=5,
+                resp = self._link.call(
+                    "Heartbeat", pb.HeartbeatRequest(node_id=self.config.node_id, usage=usage),
+                    timeout=5, retryable=_always,
                 )
             except grpc.RpcError:
                 continue
-            if resp.reregister or (resp.master_id and resp.master_id != self._master_id):
-                # The master restarted: register again (with inventory) right away.
+            moved = self._link.current != self._session_master
+            if moved or resp.reregister or (
+                    resp.master_id and resp.master_id != self._master_id):
+                # The master restarted, or another one leads now: register again (with the
+                # inventory) right away, and restart the command stream from the new leader.
+                stream = self._stream
+                if moved and stream is not None:
+                    stream.cancel()
                 with contextlib.suppress(grpc.RpcError):
                     self._register()
 
     def _usage(self) -> dict[str, int]:
-        used = dict.fromkeys(self.segments, 0)
         with self._lock:
-            for _key, it in self.inventory.values():
-                used[it.segment] = used.get(it.segment, 0) + it.size
-        return used
+            return {name: self._used.get(name, 0) for name in self.segments}
 
     def _apply(self, cmd: pb.NodeCommand) -> None:
         kind = cmd.kind
         if kind == pb.NodeCommand.COMMITTED:
             item = _Item(cmd.segment, cmd.offset, cmd.size, cmd.checksum)
             with self._lock:
+                old = self.inventory.get((cmd.segment, cmd.offset))
                 self.inventory[(cmd.segment, cmd.offset)] = (cmd.key, item)
-            self._refresh_usage_metrics()
+                self._used[cmd.segment] = (self._used.get(cmd.segment, 0) + cmd.size
+                                           - (old[1].size if old else 0))
         elif kind == pb.NodeCommand.FREED:
             with self._lock:
-                self.inventory.pop((cmd.segment, cmd.offset), None)
-            self._refresh_usage_metrics()
+                gone = self.inventory.pop((cmd.segment, cmd.offset), None)
+                if gone is not None:
+                    self._used[cmd.segment] = self._used.get(cmd.segment, 0) - gone[1].size
         elif kind == pb.NodeCommand.COPY:
             ok, err = self._copy(cmd)
             self.metrics.copies.labels("ok" if ok else "failed").inc()
             with contextlib.suppress(grpc.RpcError):
-                self._stub.CommandDone(
+                self._link.call(
+                    "CommandDone",
                     pb.CommandDoneRequest(node_id=self.config.node_id, id=cmd.id, ok=ok, error=err),
-                    metadata=self._md, timeout=10,
+                    timeout=10, retryable=_always,
                 )
         else:
             log.warning("unknown node command", extra={"kind": int(kind)})
@@ -315,6 +332,10 @@ class StorageNode:
             seg = self.segments[name]
             self.metrics.used.labels(name, seg.desc.tier.value).set(used)
         self.metrics.objects.set(len(self.inventory))
+
+
+def _always(_e: grpc.RpcError, _method: str) -> bool:
+    return True
 
 
 def run_node(config: NodeConfig) -> None:

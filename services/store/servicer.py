@@ -30,20 +30,32 @@ from prometheus_client import Histogram
 from mooncake_k8s.common.auth import METADATA_KEY, token_matches
 from mooncake_k8s.common.errors import InvalidArgument, NoSpace, ObjectTooLarge, StoreError
 from mooncake_k8s.common.rpc import store_pb2 as pb
+from mooncake_k8s.store.masterlink import (
+    EPOCH_KEY,
+    FAST_PORT_KEY,
+    LEADER_KEY,
+    RECOVERING_KEY,
+    STANDBY_KEY,
+)
 from mooncake_k8s.store.metadata import MasterState, PutNotFound, PutSuperseded, UnknownNode
 from mooncake_k8s.store.recovery import RecoveryGate
 
 if TYPE_CHECKING:
+    from mooncake_k8s.store.ha import RedisCoordinator
     from mooncake_k8s.store.master import MasterConfig
 
 log = logging.getLogger(__name__)
 
 SERVICE = "mooncake.store.v1.Master"
-RECOVERING_KEY = "mooncake-recovering"
-"""Trailing metadata on an UNAVAILABLE that the master sent on purpose while it rebuilds: the
-call did nothing, so even a put may be retried."""
+# RECOVERING_KEY: trailing metadata on an UNAVAILABLE that the master sent on purpose while it
+# rebuilds: the call did nothing, so even a put may be retried. STANDBY_KEY (with LEADER_KEY):
+# the same from a standby master of an HA group.
+COMMAND_COALESCE_S = 0.002
+"""After sending commands to a node, wait this long before sending more."""
 _OFF_LOOP = frozenset({"RegisterNode"})
 """Unary calls run on the executor instead of the event loop (see the module docstring)."""
+_OFF_LOOP_HA = _OFF_LOOP | {"PutEnd", "BatchPutEnd", "Remove", "Pin"}
+"""With Redis HA these also write to Redis before they answer: kept off the loop too."""
 
 
 class _Abort(Exception):
@@ -57,6 +69,17 @@ class _Abort(Exception):
         self.code = code
         self.message = message
         self.trailers = trailers
+
+
+Trailers = tuple[tuple[str, str], ...]
+
+
+def status_of(e: Exception, method: str) -> tuple[grpc.StatusCode, str, Trailers]:
+    """The status, message and trailers a failed call answers; logs unexpected errors."""
+    code, msg = _status_of(e)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("rpc failed", exc_info=e, extra={"method": method})
+    return code, msg, e.trailers if isinstance(e, _Abort) else ()
 
 
 def _status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
@@ -108,12 +131,34 @@ class MasterServicer:
 
     def __init__(
         self, state: MasterState, config: MasterConfig, stopping: threading.Event,
-        gate: RecoveryGate,
+        gate: RecoveryGate, ha: RedisCoordinator | None = None,
     ) -> None:
         self.state = state
         self.config = config
         self._stopping = stopping
         self.gate = gate
+        self.ha = ha
+        self.pins: set[str] = set()
+        """Keys pinned in Redis (HA): pinned again whenever their node registers."""
+
+    def _durable(self, keys: list[str], what: str) -> None:
+        """HA: journal the committed replicas of `keys` before the put is acknowledged; if
+        that fails the commit is undone (the writer puts again), so nothing acknowledged
+        depends on this leader's memory alone."""
+        if self.ha is None or not keys:
+            return
+        from mooncake_k8s.store.ha import JournalEntry
+
+        try:
+            self.ha.journal_commits(
+                JournalEntry(n, inc, item) for n, inc, item in self.state.replica_records(keys))
+        except Exception as e:
+            self.state.remove(keys, force=True)
+            log.warning("commit not journaled; undone", extra={"keys": len(keys),
+                                                                "error": type(e).__name__})
+            raise _Abort(grpc.StatusCode.UNAVAILABLE,
+                         f"{what}: the master could not record the commit durably ({e}); "
+                         "put again", ((STANDBY_KEY, "1"),)) from e
 
     def _authoritative(self) -> None:
         """Refuse (UNAVAILABLE, retryable) while a restarted master is still rebuilding."""
@@ -124,10 +169,13 @@ class MasterServicer:
     # -- nodes -----------------------------------------------------------------------------
 
     def RegisterNode(self, req: pb.RegisterNodeRequest, ctx: Any) -> pb.RegisterNodeResponse:
+        journal = self.ha.journal_for(req.node_id, req.incarnation) if self.ha else []
         reg = self.state.register_node(
             req.node_id, req.address, req.host_id, list(req.segments), list(req.inventory),
-            req.incarnation,
+            req.incarnation, journal,
         )
+        if self.pins:
+            self.state.pin(list(self.pins))
         self.gate.registered(req.node_id)
         return pb.RegisterNodeResponse(
             master_id=self.state.master_id,
@@ -141,7 +189,7 @@ class MasterServicer:
 
     async def NodeCommands(
         self, req: pb.NodeCommandsRequest, ctx: Any
-    ) -> AsyncIterator[pb.NodeCommand]:
+    ) -> AsyncIterator[pb.NodeCommandBatch]:
         ev = asyncio.Event()
         stream = self.state.open_command_stream(req.node_id, req.master_id, _waker(ev))
         if stream is None:
@@ -154,9 +202,12 @@ class MasterServicer:
             cmds = self.state.next_commands(req.node_id, stream, 0)
             if cmds is None:
                 return  # a newer stream, the node dropped, or shutdown
-            for cmd in cmds:
-                yield cmd
-            if not cmds:
+            if cmds:
+                yield pb.NodeCommandBatch(commands=cmds)
+                # Let a burst of puts collect into the next message (the node needs no
+                # command at once: commits are already visible to lookups).
+                await asyncio.sleep(COMMAND_COALESCE_S)
+            else:
                 await ev.wait()
 
     def CommandDone(self, req: pb.CommandDoneRequest, ctx: Any) -> pb.CommandDoneResponse:
@@ -174,6 +225,7 @@ class MasterServicer:
 
     def PutEnd(self, req: pb.PutEndRequest, ctx: Any) -> pb.PutEndResponse:
         self.state.put_end(req.key, req.put_id, req.checksum)
+        self._durable([req.key], f"put {req.key!r}")
         return pb.PutEndResponse()
 
     def PutRevoke(self, req: pb.PutRevokeRequest, ctx: Any) -> pb.PutRevokeResponse:
@@ -185,7 +237,10 @@ class MasterServicer:
         return pb.BatchPutStartResponse(results=self.state.batch_put_start(req.items))
 
     def BatchPutEnd(self, req: pb.BatchPutEndRequest, ctx: Any) -> pb.BatchPutEndResponse:
-        return self.state.batch_put_end(req.items)
+        resp = self.state.batch_put_end(req.items)
+        self._durable([it.key for it, err in zip(req.items, resp.errors, strict=False)
+                       if not err], f"batch of {len(req.items)} puts")
+        return resp
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -204,10 +259,19 @@ class MasterServicer:
 
     def Remove(self, req: pb.RemoveRequest, ctx: Any) -> pb.RemoveResponse:
         self._authoritative()
-        return pb.RemoveResponse(removed=self.state.remove(req.keys, req.force))
+        records = self.state.replica_records(req.keys) if self.ha else []
+        removed = self.state.remove(req.keys, req.force)
+        if self.ha is not None and records:
+            from mooncake_k8s.store.ha import JournalEntry
+
+            self.ha.journal_forget(JournalEntry(n, inc, item) for n, inc, item in records)
+        return pb.RemoveResponse(removed=removed)
 
     def Pin(self, req: pb.PinRequest, ctx: Any) -> pb.PinResponse:
         self._authoritative()
+        if self.ha is not None:
+            self.ha.save_pins(req.keys, req.pin)  # first: a failover must not lose a pin
+            (self.pins.update if req.pin else self.pins.difference_update)(req.keys)
         return pb.PinResponse(ok=self.state.pin(req.keys, req.pin))
 
     async def Watch(self, req: pb.WatchRequest, ctx: Any) -> AsyncIterator[pb.BlockEvent]:
@@ -274,6 +338,31 @@ class Handlers:
         self._token = token
         self._rpc_seconds = rpc_seconds
         self._stopping = stopping
+        self._ha = servicer.ha
+        self._off_loop = _OFF_LOOP_HA if self._ha is not None else _OFF_LOOP
+        self._methods = {name: getattr(servicer, name) for name, _ in _UNARY}
+        self._timers = {name: rpc_seconds.labels(name) for name, _ in _UNARY}
+        self._trailers: tuple[tuple[str, str], ...] = ()
+        """Added to every gRPC answer (the fast path's port, once it listens)."""
+
+    def advertise_fast_port(self, port: int) -> None:
+        self._trailers = ((FAST_PORT_KEY, str(port)),)
+
+    def _not_leader(self) -> _Abort | None:
+        """With Redis HA, the refusal a standby (or deposed leader) answers; else None."""
+        ha = self._ha
+        if ha is None or ha.is_leader:
+            return None
+        if ha.deposed.is_set():
+            why = f"this master lost its leadership ({ha.deposed_reason}) and is exiting"
+        else:
+            why = "this master is a standby"
+        hint = ha.leader_hint()
+        trailers: tuple[tuple[str, str], ...] = ((STANDBY_KEY, "1"),)
+        if hint:
+            trailers += ((LEADER_KEY, hint),)
+            why += f"; the leader is at {hint}"
+        return _Abort(grpc.StatusCode.UNAVAILABLE, why + "; retry there", trailers)
 
     def _authorized(self, ctx: Any) -> bool:
         if not self._token:
@@ -284,29 +373,60 @@ class Handlers:
                 return True
         return False
 
-    def _unary(self, name: str) -> Callable[[Any, Any], Any]:
-        method = getattr(self._servicer, name)
-        timer = self._rpc_seconds.labels(name)
-        off_loop = name in _OFF_LOOP
+    def on_loop(self, name: str) -> bool:
+        """True if `name` may run right on the event loop (`invoke_now`)."""
+        return name not in self._off_loop
 
+    def invoke_now(self, name: str, req: Any) -> tuple[Any, Trailers]:
+        """`invoke` for a method that runs on the loop, without a coroutine."""
+        start = time.perf_counter()
+        try:
+            refusal = self._not_leader()
+            if refusal is not None:
+                raise refusal
+            return self._finish(self._methods[name](req, None))
+        finally:
+            self._timers[name].observe(time.perf_counter() - start)
+
+    async def invoke(self, name: str, req: Any) -> tuple[Any, Trailers]:
+        """Run unary method `name`: (response, trailers), or raise (to be mapped by
+        `status_of`). Shared by the gRPC handlers and the fast path (`fastpath`)."""
+        if self.on_loop(name):
+            return self.invoke_now(name, req)
+        start = time.perf_counter()
+        try:
+            refusal = self._not_leader()
+            if refusal is not None:
+                raise refusal
+            resp = await asyncio.get_running_loop().run_in_executor(
+                None, self._methods[name], req, None)
+            return self._finish(resp)
+        finally:
+            self._timers[name].observe(time.perf_counter() - start)
+
+    def _finish(self, resp: Any) -> tuple[Any, Trailers]:
+        if self._ha is None:
+            return resp, self._trailers
+        # The fencing token, checked again after the work: a leader deposed meanwhile must not
+        # answer (clients drop answers from older epochs).
+        refusal = self._not_leader()
+        if refusal is not None:
+            raise refusal
+        return resp, (*self._trailers, (EPOCH_KEY, str(self._ha.epoch)))
+
+    def _unary(self, name: str) -> Callable[[Any, Any], Any]:
         async def handler(req: Any, ctx: Any) -> Any:
             if not self._authorized(ctx):
                 await ctx.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
-            start = time.perf_counter()
             try:
-                if off_loop:
-                    return await asyncio.get_running_loop().run_in_executor(
-                        None, method, req, ctx
-                    )
-                return method(req, ctx)
+                resp, trailers = await self.invoke(name, req)
+                if trailers:
+                    ctx.set_trailing_metadata(trailers)
+                return resp
             except Exception as e:  # mapped to a status; nothing kills the server
-                code, msg = _status_of(e)
-                if code == grpc.StatusCode.INTERNAL:
-                    log.exception("rpc failed", extra={"method": name})
-                if isinstance(e, _Abort) and e.trailers:
-                    ctx.set_trailing_metadata(e.trailers)
-            finally:
-                timer.observe(time.perf_counter() - start)
+                code, msg, trailers = status_of(e, name)
+                if trailers:
+                    ctx.set_trailing_metadata(trailers)
             await ctx.abort(code, msg)
 
         return handler
@@ -318,11 +438,16 @@ class Handlers:
             if not self._authorized(ctx):
                 await ctx.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
             try:
+                refusal = self._not_leader()
+                if refusal is not None:
+                    raise refusal
                 async for item in method(req, ctx):
                     yield item
                 return
             except Exception as e:  # CancelledError (client gone) is not an Exception
                 code, msg = _status_of(e)
+                if isinstance(e, _Abort) and e.trailers:
+                    ctx.set_trailing_metadata(e.trailers)
                 if code == grpc.StatusCode.INTERNAL:
                     if self._stopping.is_set():
                         return

@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from mooncake_k8s.common.errors import StoreError
 from mooncake_k8s.common.netutil import free_port
@@ -227,3 +232,180 @@ def store_cluster(
         for i in range(nodes):
             cluster.start_node(f"n{i}", dram_size)
         yield cluster
+
+
+def load_payload(key: str, size: int) -> bytes:
+    """Bytes determined by the key, so any reader can check what it got."""
+    seed = int.from_bytes(key.encode()[-8:].rjust(8, b"\0"), "little")
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+@dataclass
+class PutGetLoad:
+    """Writers put fresh keys and remember what was acknowledged; a reader checks bytes."""
+
+    cluster: StoreCluster
+    size: int = 16 << 10
+    acked: list[str] = field(default_factory=list)
+    wrong: int = 0
+    failed_puts: int = 0
+    last_ack: float = 0.0
+    last_read: float = 0.0
+    stop: threading.Event = field(default_factory=threading.Event)
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    def start(self) -> None:
+        for w in range(2):
+            self.threads.append(threading.Thread(target=self._write, args=(w,), daemon=True))
+        self.threads.append(threading.Thread(target=self._read, daemon=True))
+        for t in self.threads:
+            t.start()
+
+    def _write(self, w: int) -> None:
+        with self.cluster.client(timeout_s=5) as c:
+            i = 0
+            while not self.stop.is_set():
+                key = f"w{w}-{i:08d}"
+                i += 1
+                try:
+                    c.put(key, load_payload(key, self.size), replicas=1)
+                except StoreError:
+                    self.failed_puts += 1
+                    continue
+                self.acked.append(key)
+                self.last_ack = time.monotonic()
+
+    def _read(self) -> None:
+        with self.cluster.client(timeout_s=5) as c:
+            while not self.stop.is_set():
+                if not self.acked:
+                    time.sleep(0.01)
+                    continue
+                key = random.choice(self.acked)
+                try:
+                    if bytes(c.get(key)) != load_payload(key, self.size):
+                        self.wrong += 1
+                    self.last_read = time.monotonic()
+                except StoreError:
+                    pass  # unavailable during the failover: retried with another key
+
+    def acks_after(self, t: float, n: int, timeout: float = 30.0) -> float:
+        """Wait until `n` puts were acknowledged after time `t`; returns the first's delay."""
+        before = len(self.acked)
+        deadline = time.monotonic() + timeout
+        first = 0.0
+        while time.monotonic() < deadline:
+            if self.last_ack > t and not first:
+                first = self.last_ack - t
+            if len(self.acked) >= before + n and first:
+                return first
+            time.sleep(0.01)
+        raise TimeoutError("no puts acknowledged after the failover")
+
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=30)
+
+    def verify_all(self) -> tuple[int, int]:
+        """(acknowledged objects missing, objects with wrong bytes) after the load."""
+        lost = wrong = 0
+        with self.cluster.client(timeout_s=10) as c:
+            for key in self.acked:
+                try:
+                    if bytes(c.get(key)) != load_payload(key, self.size):
+                        wrong += 1
+                except StoreError:
+                    lost += 1
+        return lost, wrong
+
+
+class RedisServer:
+    """A throwaway redis-server on loopback (no persistence) for HA tests and benchmarks."""
+
+    def __init__(self, workdir: Path, binary: str = "redis-server") -> None:
+        self.port = free_port()
+        self.log_path = workdir / "redis.log"
+        with open(self.log_path, "ab") as log:
+            self.popen = subprocess.Popen(
+                [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+                 "--appendonly", "no", "--dir", str(workdir)],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError), socket.create_connection(
+                    ("127.0.0.1", self.port), timeout=0.2):
+                return
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(f"redis-server did not start:\n{self.log_path.read_text()[-2000:]}")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        self.popen.wait(timeout=10)
+
+
+@dataclass
+class HaStoreCluster(StoreCluster):
+    """Several masters on one real Redis (`--metadata-backend redis`); nodes and clients are
+    given the list of all masters. `master` is whichever was found leading last."""
+
+    redis: RedisServer | None = None
+    masters: dict[str, Proc] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+    lease_ms: int = 1000
+
+    def __post_init__(self) -> None:
+        self.master_state = False
+        self.redis = RedisServer(self.workdir)
+
+    @property
+    def master_address(self) -> str:
+        return ",".join(f"127.0.0.1:{p}" for p in self.ports.values())
+
+    def start_masters(self, names: tuple[str, ...] = ("m0", "m1")) -> None:
+        for name in names:
+            self.ports[name] = free_port()
+        for name in names:
+            self.start_ha_master(name)
+        self.wait_master()
+
+    def start_ha_master(self, name: str) -> Proc:
+        """Start (or restart after it exited) master `name` on its port."""
+        assert self.redis is not None
+        mport = free_port()
+        args = ["master", "--port", str(self.ports[name]), "--metrics-port", str(mport),
+                "--metadata-backend", "redis", "--redis-url", self.redis.url,
+                "--ha-lease-ms", str(self.lease_ms), *self.master_args]
+        proc = self.masters[name] = self._spawn(name, args, mport)
+        return proc
+
+    def leader(self, timeout: float = 30.0) -> tuple[str, Proc]:
+        """The master that reports itself leader now (waits for one)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for name, proc in self.masters.items():
+                if not proc.alive():
+                    continue
+                with contextlib.suppress(OSError):
+                    if metric_value(proc.metrics(), "mooncake_master_leader") == 1:
+                        return name, proc
+            time.sleep(0.05)
+        raise TimeoutError(f"no master leads within {timeout}s")
+
+    def __enter__(self) -> HaStoreCluster:
+        return self
+
+    def stop(self) -> None:
+        for proc in [*self.nodes.values(), *self.masters.values()]:
+            if proc.alive():
+                self.kill(proc, signal.SIGTERM)
+        self.master = None
+        if self.redis is not None:
+            self.redis.stop()

@@ -157,6 +157,12 @@ class NodeCommand(_message.Message):
     src_offset: int
     def __init__(self, id: _Optional[int] = ..., kind: _Optional[_Union[NodeCommand.Kind, str]] = ..., key: _Optional[str] = ..., segment: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., src_segment: _Optional[str] = ..., src_offset: _Optional[int] = ...) -> None: ...
 
+class NodeCommandBatch(_message.Message):
+    __slots__ = ("commands",)
+    COMMANDS_FIELD_NUMBER: _ClassVar[int]
+    commands: _containers.RepeatedCompositeFieldContainer[NodeCommand]
+    def __init__(self, commands: _Optional[_Iterable[_Union[NodeCommand, _Mapping]]] = ...) -> None: ...
+
 class NodeCommandsRequest(_message.Message):
     __slots__ = ("node_id", "master_id")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]

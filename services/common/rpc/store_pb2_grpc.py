@@ -47,7 +47,7 @@ class MasterStub:
         self.NodeCommands = channel.unary_stream(
                 '/mooncake.store.v1.Master/NodeCommands',
                 request_serializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.NodeCommandsRequest.SerializeToString,
-                response_deserializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.NodeCommand.FromString,
+                response_deserializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.NodeCommandBatch.FromString,
                 _registered_method=True)
         self.CommandDone = channel.unary_unary(
                 '/mooncake.store.v1.Master/CommandDone',
@@ -231,7 +231,7 @@ def add_MasterServicer_to_server(servicer, server):
             'NodeCommands': grpc.unary_stream_rpc_method_handler(
                     servicer.NodeCommands,
                     request_deserializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.NodeCommandsRequest.FromString,
-                    response_serializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.NodeCommand.SerializeToString,
+                    response_serializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.NodeCommandBatch.SerializeToString,
             ),
             'CommandDone': grpc.unary_unary_rpc_method_handler(
                     servicer.CommandDone,
@@ -379,7 +379,7 @@ class Master:
             target,
             '/mooncake.store.v1.Master/NodeCommands',
             mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.NodeCommandsRequest.SerializeToString,
-            mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.NodeCommand.FromString,
+            mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.NodeCommandBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -55,11 +55,11 @@ async def main() -> None:
 
         async def consume() -> None:
             try:
-                async for _cmd in stub.NodeCommands(
+                async for batch in stub.NodeCommands(
                     pb.NodeCommandsRequest(node_id=node_id, master_id=resp.master_id),
                     metadata=md,
                 ):
-                    counts["commands"] += 1
+                    counts["commands"] += len(batch.commands)
             except grpc.aio.AioRpcError as e:
                 if not stop.is_set() and e.code() != grpc.StatusCode.CANCELLED:
                     counts["stream_errors"] += 1

@@ -408,3 +408,22 @@ def test_node_sigterm_unlinks_segments() -> None:
         c.kill(proc, signal.SIGTERM)
         assert proc.popen.returncode == 0, proc.log()[-2000:]
         assert not os.path.exists(path)
+
+
+def test_store_replicas_env_is_every_writers_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MOONCAKE_STORE_REPLICAS (the operator's store.replicationFactor) sets how many copies a
+    put makes when it does not say; a bad value is refused naming the variable."""
+    with StoreCluster() as c:
+        c.start_master()
+        c.start_node("a", "16MiB")
+        c.start_node("b", "16MiB")
+        monkeypatch.setenv("MOONCAKE_STORE_REPLICAS", "2")
+        with c.client() as client:
+            assert client.replicas == 2
+            client.put("two", b"x" * 4096)
+            client.put("one", b"y" * 4096, replicas=1)
+            info = client._lookup(["two", "one"], use_cache=False)
+            assert [len(i.replicas) for i in info if i is not None] == [2, 1]
+        monkeypatch.setenv("MOONCAKE_STORE_REPLICAS", "lots")
+        with pytest.raises(InvalidArgument, match="MOONCAKE_STORE_REPLICAS"):
+            c.client()

@@ -28,7 +28,8 @@ import pytest
 from mooncake_k8s.operator.handlers import build_registry
 from mooncake_k8s.operator.reconcile import OperatorConfig
 from mooncake_k8s.operator.render import render
-from mooncake_k8s.operator.validation import validate_cluster
+from mooncake_k8s.operator.schema import cluster_schema
+from mooncake_k8s.operator.validation import validate, validate_cluster
 
 Obj = dict[str, Any]
 NS = "ml"
@@ -362,6 +363,24 @@ async def test_invalid_spec_is_reported_not_applied(k8s: ApplyingEmulator) -> No
 
 
 @scenario
+async def test_pod_rules_the_crd_cannot_state_are_reported_not_applied(
+        k8s: ApplyingEmulator) -> None:
+    """The API server admits what the CRD allows (schema and CEL): a nodeSelector key is not
+    checked there. The operator must still refuse to render pods the API server would refuse."""
+    async with operator(k8s):
+        body = validate(cluster_schema(), manifest({"roles": {"decode": {
+            "nodeSelector": {"gpu type": "a100"}}}}))  # what the API server stores
+        await api(k8s, "POST", CLUSTERS, body, "application/json")
+        status = await eventually(lambda: obj(k8s, "MooncakeCluster", "demo")["status"])
+        message = cond(status, "Degraded")["message"]
+        assert cond(status, "Degraded")["reason"] == "InvalidSpec"
+        assert "spec.roles.decode.nodeSelector[gpu type]: 'gpu type' must be a qualified " \
+               "name" in message
+        with pytest.raises(KeyError):
+            obj(k8s, "StatefulSet", "demo-decode")
+
+
+@scenario
 async def test_delete_releases_the_cluster_and_leaves_children_to_gc(
         k8s: ApplyingEmulator) -> None:
     async with operator(k8s):
@@ -426,8 +445,9 @@ async def test_autoscaler_reads_conductor_metrics_and_scales(k8s: ApplyingEmulat
                 await eventually(lambda: obj(k8s, "StatefulSet", "demo-prefill")["spec"][
                     "replicas"] == 5, timeout=15)
                 assert obj(k8s, "MooncakeRoleScaler", "demo-prefill")["spec"]["replicas"] == 5
-                # ratio.max 4: decode follows to 2
-                assert obj(k8s, "StatefulSet", "demo-decode")["spec"]["replicas"] == 2
+                # ratio.max 4: decode follows to 2 (the same apply, one object later)
+                await eventually(lambda: obj(k8s, "StatefulSet", "demo-decode")["spec"][
+                    "replicas"] == 2, timeout=15)
                 st = await eventually(lambda: obj(k8s, "MooncakeCluster", "demo")["status"]
                                       .get("autoscaling"))
                 assert (st["prefill"], st["decode"]) == (5, 2)

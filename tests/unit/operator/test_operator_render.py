@@ -539,7 +539,7 @@ def _ports_of(c: Obj) -> dict[str, int]:
 
 
 def test_sglang_cpu_pods(make_cluster: Callable[..., Obj]) -> None:
-    res = {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"cpu": "1500m",
+    res = {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"cpu": "1500m",
                                                                  "memory": "6Gi"}}
     r = _sglang(make_cluster, {"prefill": {"resources": res}, "decode": {"resources": res}},
                 device="cpu", args=["--dtype", "bfloat16", "--context-length", "2048"])
@@ -782,7 +782,11 @@ def test_worker_pods_run_real_cli_commands(examples: dict[str, Obj], stem: str,
             if args[0] == "sidecar":
                 assert p["socket_path"] == SOCKET and p["token"] == "secret-token"
                 ns = examples[stem]["metadata"]["namespace"]
-                assert p["master"] == f"{name}-master.{ns}.svc.cluster.local:50051"
+                svc = f"{name}-master.{ns}.svc.cluster.local"
+                n = examples[stem]["spec"].get("roles", {}).get("master", {}).get("replicas", 1)
+                # With several masters (HA) the list of every master's stable pod name.
+                assert p["master"] == (f"{svc}:50051" if n == 1 else ",".join(
+                    f"{name}-master-{i}.{svc}:50051" for i in range(n)))
                 assert p["staging_size"] > 0
             elif args[0] in ("prefill", "decode"):
                 engine = examples[stem]["spec"]["engine"]
@@ -815,3 +819,31 @@ def test_sglang_cpu_example(examples: dict[str, Obj]) -> None:
         assert _volume(t, "model")["persistentVolumeClaim"]["claimName"] == (
             "smollm2-135m-instruct")
         assert "nvidia.com/gpu" not in str(c["resources"])
+
+
+def test_ha_masters_parse_with_the_real_cli(examples: dict[str, Obj],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The masters of the GPU example (two, metadataBackend redis) get every HA setting from
+    the environment the pod gives them, and their clients list both masters."""
+    from mooncake_k8s.cli import main
+
+    r = render(validate_cluster(examples["gpu-rdma"]))
+    for key in [k for k in os.environ if k.startswith("MOONCAKE_")]:
+        monkeypatch.delenv(key)
+    sts = r.get("StatefulSet", "qwen-master")
+    assert sts["spec"]["replicas"] == 2
+    c = _container(sts["spec"]["template"], "master")
+    env = _pod_env(c)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    group = main.make_context("mooncake", list(c["args"]), resilient_parsing=False)
+    store = main.get_command(group, "store")
+    sub = store.make_context("store", ["master"], parent=group)  # type: ignore[union-attr]
+    master = store.get_command(sub, "master")  # type: ignore[union-attr]
+    p = master.make_context("master", [], parent=sub).params  # type: ignore[union-attr]
+    assert p["metadata_backend"] == "redis" and p["redis_url"] == "secret-token"
+    assert p["advertise"] == "pod-0.qwen-master.llm.svc.cluster.local:50051"
+    assert p["ha_prefix"] == "mooncake:llm:qwen"
+    node = _container(r.get("StatefulSet", "qwen-store")["spec"]["template"], "store")
+    assert _pod_env(node)["MOONCAKE_MASTER"].split(",") == [
+        f"qwen-master-{i}.qwen-master.llm.svc.cluster.local:50051" for i in range(2)]
