@@ -149,8 +149,10 @@ class LocalCluster:
                                "--metrics-port", str(mport),
                                "--state-dir", str(self.log_dir / "master-state")], mport)
         nport = free_service_port(h)
+        # Node ids name shared-memory files, host-wide: unique per cluster (its master port).
         self._spawn("store-node", ["store", "node", "--master", self.master, "--host", h,
-                                   "--node-id", "store-0", "--dram-size", str(c.store_size),
+                                   "--node-id", f"store-{self.master_port}",
+                                   "--dram-size", str(c.store_size),
                                    "--metrics-port", str(nport)], nport)
         for role, count in (("prefill", c.prefill), ("decode", c.decode)):
             for i in range(count):
