@@ -75,4 +75,4 @@ async def _candidates() -> None:
         assert resume_candidates([same, other], lost.revision) == [same]
         assert resume_candidates([other], lost.revision) == []
     finally:
-        await channel.close()
+        await channel.close(None)
