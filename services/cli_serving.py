@@ -311,6 +311,9 @@ def conductor(**o: Any) -> None:
               type=click.IntRange(1, 64), help="Decode instances.")
 @click.option("--store-size", default="1GiB", show_default=True, type=SIZE,
               help="DRAM of the storage node.")
+@click.option("--store-replicas", default=2, show_default=True, type=click.IntRange(1, 8),
+              help="Copies of each KV block prefill writes: with 2, one outside the decode "
+                   "instance's own segment, so a dead decode's streams resume elsewhere.")
 @click.option("--api-keys-file", default=None, type=click.Path(exists=True, dir_okay=False))
 @click.option("--no-prefix-cache", is_flag=True, help="Never reuse cached KV (baseline).")
 @click.option("--log-dir", default=None, type=click.Path(file_okay=False),
@@ -350,7 +353,8 @@ def up(**o: Any) -> None:
 
     run_up(UpConfig(
         host=o["host"], port=o["port"], prefill=o["n_prefill"], decode=o["n_decode"],
-        store_size=o["store_size"], api_keys_file=o["api_keys_file"],
+        store_size=o["store_size"], store_replicas=o["store_replicas"],
+        api_keys_file=o["api_keys_file"],
         use_prefix_cache=not o["no_prefix_cache"], log_dir=o["log_dir"], model=o["model"],
         served_model_name=o["served_model_name"], block_tokens=o["block_tokens"],
         device=o["device"], threads=o["threads"], ready_timeout_s=o["ready_timeout"],

@@ -40,6 +40,11 @@ class UpConfig:
     decode: int = 1
     store_size: int = 1 << 30
     decode_segment_size: int = 256 << 20
+    store_replicas: int = 2
+    """Copies of each KV block prefill writes (`--store-replicas`): the first in the decode
+    instance's own segment, the second on another node, so a decode that dies mid-stream is
+    resumed elsewhere from the pool (decode failover). 1 saves DRAM and a little TTFT
+    (bench/failover_bench.py) but a dead decode then takes its streams' KV with it."""
     api_keys_file: str | None = None
     use_prefix_cache: bool = True
     log_dir: str | None = None
@@ -144,8 +149,10 @@ class LocalCluster:
                                "--metrics-port", str(mport),
                                "--state-dir", str(self.log_dir / "master-state")], mport)
         nport = free_service_port(h)
+        # Node ids name shared-memory files, host-wide: unique per cluster (its master port).
         self._spawn("store-node", ["store", "node", "--master", self.master, "--host", h,
-                                   "--node-id", "store-0", "--dram-size", str(c.store_size),
+                                   "--node-id", f"store-{self.master_port}",
+                                   "--dram-size", str(c.store_size),
                                    "--metrics-port", str(nport)], nport)
         for role, count in (("prefill", c.prefill), ("decode", c.decode)):
             for i in range(count):
@@ -161,6 +168,7 @@ class LocalCluster:
                     args += ["--local-segment-size", str(c.decode_segment_size)]
                     self.decode_ports.append(port)
                 else:
+                    args += ["--store-replicas", str(c.store_replicas)]
                     self.prefill_ports.append(port)
                 self._spawn(f"{role}-{i}", args, hport)
         args = ["conductor", "--host", h, "--port", str(self.port), "--master", self.master,

@@ -272,6 +272,9 @@ class Frontend:
                         text.append(d.text)
                 resp = web.json_response(self._full_body(req, kind, gen, out, "".join(text)))
                 resp.headers.update(self._route_headers(out))
+                # Decode failover moved the request this many times (a stream's headers are
+                # sent before any resume could happen, so only whole responses carry it).
+                resp.headers["X-Mooncake-Resumes"] = str(out.resumes)
             self._observe(out, endpoint, "200")
             return resp
         except ApiError:

@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+_RESUME_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
@@ -40,6 +41,16 @@ class ConductorMetrics:
                                ["role", "state"], registry=r)
         self.retries = Counter("mooncake_conductor_retries_total",
                                "Requests that needed another attempt", registry=r)
+        self.resumes = Counter(
+            "mooncake_conductor_resumes_total",
+            "Streams resumed on another decode instance after theirs failed mid-stream",
+            ["outcome"], registry=r)
+        for outcome in ("ok", "failed"):  # exported (at 0) before the first failure
+            self.resumes.labels(outcome)
+        self.resume_seconds = Histogram(
+            "mooncake_conductor_resume_seconds",
+            "Decode failover: failure detected until the first token from the new instance",
+            buckets=_RESUME_BUCKETS, registry=r)
         self.header_timeouts = Counter(
             "mooncake_conductor_header_timeouts_total",
             "Connections closed for not sending a complete request head in time (slowloris)",

@@ -1,9 +1,12 @@
 """One request's trip: route, prefill (first token), decode (the rest), as a stream of events.
 
-Failures before the client has seen output are retried on other instances; the first token is
-kept across a retry (decode continues from the token the client already has), so a retry never
-changes what was said. Once decode has streamed, a dead decode instance ends the stream with an
-error event: other streams and later requests are unaffected, and the instance leaves rotation.
+Failures before the client has seen output are retried on other instances. Once it has, a
+failed decode instance (killed, unreachable) leaves rotation and the stream is *resumed* on
+another decode instance of the same revision (`resume` says how): prefill reads the prompt's
+KV from the pool (workers keep a copy outside the decode's process, `--store-replicas 2`),
+recomputes the tokens already streamed and returns the next one, and decode goes on from
+there with the same seed. The client sees one stream, each token once. With no instance left,
+the stream ends with an error event (`decode_failed`).
 
 Every nested generator is closed explicitly (`aclosing`): when the client goes away the API
 layer closes `run`, and that must reach `_decode`'s `call.cancel()` at once, not whenever the
@@ -18,15 +21,25 @@ import logging
 import random
 import time
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
 from mooncake_k8s.common import tracing
 from mooncake_k8s.common.rpc import serving_pb2 as pb
+from mooncake_k8s.conductor.admission import Overloaded
 from mooncake_k8s.conductor.instances import Instance, InstancePool
+from mooncake_k8s.conductor.metrics import ConductorMetrics
 from mooncake_k8s.conductor.protocol import ApiError
-from mooncake_k8s.conductor.scheduler import NoCapacity, Route, Router, RouteRequest
+from mooncake_k8s.conductor.resume import (
+    DecodeLost,
+    resume_candidates,
+    resume_request_id,
+    resumed_prompt,
+    resumed_sampling,
+    with_seed,
+)
+from mooncake_k8s.conductor.scheduler import NoCapacity, Route, Router, RouteRequest, pick_decode
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +78,8 @@ class Outcome:
     prefill: str = ""
     decode: str = ""
     attempts: int = 0
+    resumes: int = 0
+    """Times the stream moved to another decode instance after its own failed."""
 
 
 class _Retry(Exception):
@@ -73,7 +88,11 @@ class _Retry(Exception):
 
 class Pipeline:
     def __init__(self, prefills: InstancePool, decodes: InstancePool, router: Router,
-                 attempts: int = 3, prefill_timeout_s: float = 600.0) -> None:
+                 attempts: int = 3, prefill_timeout_s: float = 600.0,
+                 metrics: ConductorMetrics | None = None, max_resumes: int = 3) -> None:
+        self.metrics = metrics
+        self.max_resumes = max_resumes
+        """Resumes one stream may take (each needs a decode instance to fail under it)."""
         self.prefills = prefills
         self.decodes = decodes
         self.router = router
@@ -81,25 +100,54 @@ class Pipeline:
         self.prefill_timeout_s = prefill_timeout_s
 
     async def run(self, gen: Generation, out: Outcome) -> AsyncGenerator[Delta, None]:
+        """The request's deltas; a decode instance lost mid-stream is replaced (decode
+        failover, `resume`): the client sees one stream, each token once."""
         out.prompt_tokens = len(gen.token_ids)
-        first: pb.PrefillResponse | None = None
+        gen = replace(gen, sampling=with_seed(gen.sampling))
+        streamed: list[int] = []
+        lost: DecodeLost | None = None
+        for resume in range(self.max_resumes + 1):
+            work = gen if lost is None else self._resumed(gen, streamed, lost, resume)
+            try:
+                async with contextlib.aclosing(self._serve(work, out, lost)) as deltas:
+                    async for delta in deltas:
+                        streamed.append(delta.token_id)
+                        yield delta
+                return
+            except DecodeLost as e:
+                lost = e
+                log.warning("decode lost mid-stream; resuming", extra={
+                    "request_id": gen.request_id, "error": str(e), "streamed": len(streamed)})
+        assert lost is not None
+        raise self._resume_failed(lost, f"gave up after {self.max_resumes} resumes")
+
+    def _resumed(self, gen: Generation, streamed: list[int], lost: DecodeLost,
+                 resume: int) -> Generation:
+        """The request as a resume sends it: prompt plus what the client has, same seed,
+        fewer tokens left (`resume.resumed_sampling`)."""
+        try:
+            sampling = resumed_sampling(gen.sampling, len(streamed))
+        except ValueError as e:  # the stream had produced everything: nothing to resume
+            raise ApiError(502, f"{lost}: {e}", type_="server_error",
+                           code="decode_failed") from e
+        return replace(gen, request_id=resume_request_id(gen.request_id, resume),
+                       token_ids=resumed_prompt(gen.token_ids, streamed), sampling=sampling)
+
+    async def _serve(self, gen: Generation, out: Outcome,
+                     lost: DecodeLost | None) -> AsyncGenerator[Delta, None]:
+        """Prefill then decode, retried on other instances until the client sees output;
+        after that a failed decode raises DecodeLost (the caller resumes). With `lost` this
+        is a resume: its first token is the end of the resume latency."""
         last_error = "no attempt made"
         for attempt in range(self.attempts):
-            out.attempts = attempt + 1
-            try:
-                route = await self.router.route(
-                    RouteRequest(gen.request_id, gen.token_ids, gen.tenant,
-                                 gen.sampling.max_tokens, gen.use_prefix_cache, gen.priority),
-                    self.prefills.usable(), self.decodes.usable())
-            except NoCapacity as e:
-                why = f"{e} (last failure: {last_error})" if attempt else str(e)
-                raise ApiError(503, why, type_="server_error", code="no_capacity") from e
+            out.attempts += 1
+            route = await self._route(gen, lost, attempt, last_error)
             out.prefill, out.decode = route.prefill.instance_id, route.decode.instance_id
             pair = route.prefill.report.bootstrap_addr if route.prefill.report else ""
             if pair:
                 try:
                     async with contextlib.aclosing(
-                            self._paired(gen, route, attempt, pair, out)) as deltas:
+                            self._paired(gen, route, attempt, pair, out, lost)) as deltas:
                         async for delta in deltas:
                             yield delta
                     return
@@ -111,38 +159,91 @@ class Pipeline:
             except grpc.aio.AioRpcError as e:
                 last_error = self._fail(self.prefills, route.prefill, e)
                 continue
-            if first is None:
-                first = resp
-                out.cached_tokens = resp.cached_tokens
-                out.first_token_at = time.monotonic()
-                out.completion_tokens = 1
-                reason = resp.finish_reason or None if resp.finished else None
-                out.finish_reason = reason
-                yield Delta(resp.text, resp.first_token, reason)
-                if resp.finished:
-                    return
-            streamed = False
+            yield self._first(resp, out, lost)
+            if resp.finished:
+                return
             try:
-                async with contextlib.aclosing(self._decode(gen, route, first.first_token,
+                async with contextlib.aclosing(self._decode(gen, route, resp.first_token,
                                                             resp.tail_key)) as chunks:
                     async for chunk in chunks:
-                        streamed = True
-                        out.completion_tokens += 1
-                        reason = chunk.finish_reason or None if chunk.finished else None
-                        out.finish_reason = reason
-                        yield Delta(chunk.text, chunk.token_id, reason)
+                        yield self._next(chunk, out)
                 return
             except grpc.aio.AioRpcError as e:
-                last_error = self._fail(self.decodes, route.decode, e)
-                if streamed:
-                    raise ApiError(502, f"decode instance {route.decode.instance_id} failed "
-                                        f"mid-stream: {last_error}", type_="server_error",
-                                   code="decode_failed") from e
+                raise self._lost(route.decode, e) from e
+        if lost is not None:
+            raise self._resume_failed(lost, f"resuming failed after {self.attempts} attempts: "
+                                            f"{last_error}")
         raise ApiError(503, f"request failed after {self.attempts} attempts: {last_error}",
                        type_="server_error", code="upstream_failed")
 
+    async def _route(self, gen: Generation, lost: DecodeLost | None, attempt: int,
+                     last_error: str) -> Route:
+        prefills, decodes = self.prefills.usable(), self.decodes.usable()
+        if lost is not None:
+            prefills = resume_candidates(prefills, lost.revision)
+            decodes = resume_candidates(decodes, lost.revision)
+            for role, left in (("decode", decodes), ("prefill", prefills)):
+                if not left:
+                    raise self._resume_failed(lost, f"no {role} instance of revision "
+                                                    f"{lost.revision!r} is left to resume "
+                                                    f"the stream on")
+        req = RouteRequest(gen.request_id, gen.token_ids, gen.tenant, gen.sampling.max_tokens,
+                           gen.use_prefix_cache, gen.priority)
+        try:
+            return await self.router.route(req, prefills, decodes)
+        except NoCapacity as e:
+            if lost is not None:
+                raise self._resume_failed(lost, str(e)) from e
+            why = f"{e} (last failure: {last_error})" if attempt else str(e)
+            raise ApiError(503, why, type_="server_error", code="no_capacity") from e
+        except Overloaded:
+            if lost is None:
+                raise
+            # A stream already under way is never shed: it goes to the least loaded pair,
+            # and the prefill worker looks its prefix up in the pool itself.
+            prefill = min(prefills, key=lambda p: (p.inflight_tokens, p.address))
+            need = len(gen.token_ids) + gen.sampling.max_tokens
+            return Route(prefill, pick_decode(decodes, prefill, need), 0)
+
+    def _first(self, resp: pb.PrefillResponse, out: Outcome,
+               lost: DecodeLost | None) -> Delta:
+        """The prefill's token as a delta; for a resume, the resume is done here."""
+        now = time.monotonic()
+        if out.first_token_at is None:
+            out.first_token_at = now
+            out.cached_tokens = resp.cached_tokens
+        if lost is not None:
+            out.resumes += 1
+            if self.metrics is not None:
+                self.metrics.resumes.labels("ok").inc()
+                self.metrics.resume_seconds.observe(now - lost.at)
+            log.info("stream resumed", extra={"error": str(lost),
+                                              "resume_s": round(now - lost.at, 4)})
+        out.completion_tokens += 1
+        reason = resp.finish_reason or None if resp.finished else None
+        out.finish_reason = reason
+        return Delta(resp.text, resp.first_token, reason)
+
+    @staticmethod
+    def _next(chunk: pb.DecodeChunk, out: Outcome) -> Delta:
+        out.completion_tokens += 1
+        reason = chunk.finish_reason or None if chunk.finished else None
+        out.finish_reason = reason
+        return Delta(chunk.text, chunk.token_id, reason)
+
+    def _lost(self, inst: Instance, e: grpc.aio.AioRpcError) -> DecodeLost:
+        """A decode failure after the client saw output (an error no other instance would
+        answer differently, such as INVALID_ARGUMENT, raises ApiError instead)."""
+        msg = self._fail(self.decodes, inst, e)
+        return DecodeLost(inst, f"decode instance {inst.instance_id} failed mid-stream: {msg}")
+
+    def _resume_failed(self, lost: DecodeLost, why: str) -> ApiError:
+        if self.metrics is not None:
+            self.metrics.resumes.labels("failed").inc()
+        return ApiError(503, f"{lost}; {why}", type_="server_error", code="decode_failed")
+
     async def _paired(self, gen: Generation, route: Route, attempt: int, addr: str,
-                      out: Outcome) -> AsyncGenerator[Delta, None]:
+                      out: Outcome, lost: DecodeLost | None) -> AsyncGenerator[Delta, None]:
         """One attempt with paired handoff (SGLang PD): decode must be waiting for the KV
         while prefill computes it, so both calls start together, meeting in a fresh room.
         Raises _Retry when the attempt failed before the client saw anything."""
@@ -167,12 +268,7 @@ class Pipeline:
                 resp = await self._prefill(gen, route, attempt, plan)
             except grpc.aio.AioRpcError as e:
                 raise _Retry(self._fail(self.prefills, route.prefill, e)) from e
-            out.cached_tokens = resp.cached_tokens
-            out.first_token_at = time.monotonic()
-            out.completion_tokens = 1
-            reason = resp.finish_reason or None if resp.finished else None
-            out.finish_reason = reason
-            yield Delta(resp.text, resp.first_token, reason)
+            yield self._first(resp, out, lost)
             if resp.finished:
                 return
             while True:
@@ -180,16 +276,10 @@ class Pipeline:
                 if item is None:
                     return
                 if isinstance(item, grpc.aio.AioRpcError):
-                    msg = self._fail(self.decodes, route.decode, item)
-                    raise ApiError(502, f"decode instance {route.decode.instance_id} failed "
-                                        f"after the first token: {msg}", type_="server_error",
-                                   code="decode_failed") from item
+                    raise self._lost(route.decode, item) from item
                 if isinstance(item, BaseException):
                     raise item
-                out.completion_tokens += 1
-                reason = item.finish_reason or None if item.finished else None
-                out.finish_reason = reason
-                yield Delta(item.text, item.token_id, reason)
+                yield self._next(item, out)
         finally:
             task.cancel()
 

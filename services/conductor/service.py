@@ -76,7 +76,7 @@ class Conductor:
         self.router = MooncakeRouter(self.scheduler, self.store, self.metrics)
         self._feeder: IndexFeeder | None = None
         self.frontend = Frontend(
-            Pipeline(self.prefills, self.decodes, self.router),
+            Pipeline(self.prefills, self.decodes, self.router, metrics=self.metrics),
             self.metrics, keys, config.served_model_name, config.use_prefix_cache,
             config.limits)
         self.deadlines = HeaderDeadlines(config.limits.header_timeout_s,

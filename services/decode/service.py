@@ -59,7 +59,10 @@ class DecodeService(Worker):
         if cfg.local_segment_size > 0:
             from mooncake_k8s.store.node import NodeConfig, StorageNode
 
-            node_id = f"decode-{cfg.instance_id}"
+            # The segment's name is a host-wide shared-memory file name: two clusters on one
+            # host (both with a "decode-0") must not map each other's segment. The gRPC port
+            # is unique on the host while this runs, and the same after a restart.
+            node_id = f"decode-{cfg.instance_id}" + (f"-{cfg.port}" if cfg.port else "")
             self._node = StorageNode(NodeConfig(
                 master=cfg.master, node_id=node_id, token=cfg.token, host=cfg.host,
                 advertise_host=cfg.advertise_host, dram_size=cfg.local_segment_size,
