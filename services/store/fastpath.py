@@ -41,8 +41,10 @@ from collections import OrderedDict
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from mooncake_k8s.common.auth import token_matches
+from mooncake_k8s.common.errors import InvalidArgument
 from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.common.rpcserver import MAX_MESSAGE
 
@@ -143,6 +145,7 @@ class _Conn(asyncio.Protocol):
         self.authed = False
         self.busy = False  # an off-loop call is running: later frames wait
         self.deadline: asyncio.TimerHandle | None = None
+        self.counted = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -160,11 +163,13 @@ class _Conn(asyncio.Protocol):
             oldest.close()
             s.rejected += 1
         s.connections += 1
+        self.counted = True
         s.pending[id(self)] = self
         self.deadline = asyncio.get_running_loop().call_later(HELLO_DEADLINE_S, self.close)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.s.connections -= 1
+        if self.counted:
+            self.s.connections -= 1
         self.s.pending.pop(id(self), None)
         if self.deadline is not None:
             self.deadline.cancel()
@@ -223,6 +228,10 @@ class _Conn(asyncio.Protocol):
             h = self.s.handlers
             try:
                 req = req_type.FromString(body)
+            except DecodeError:
+                self._answer(name, None, InvalidArgument(f"malformed {name} request"))
+                continue
+            try:
                 if h.on_loop(name):
                     self._answer(name, h.invoke_now(name, req), None)
                     continue

@@ -67,6 +67,25 @@ def test_fast_path_refuses_a_wrong_token() -> None:
             c.stats()
 
 
+def test_a_malformed_request_is_invalid_argument_and_the_connection_lives() -> None:
+    with StoreCluster() as cluster:
+        cluster.start_master()
+        sock = socket.create_connection(("127.0.0.1", fast_port(cluster)), timeout=5)
+        tok = cluster.token.encode()
+        sock.sendall(MAGIC + bytes([VERSION]) + struct.pack("<H", len(tok)) + tok)
+        assert sock.recv(3)[0] == 0
+        sock.sendall(struct.pack("<IB", 3, 0) + b"\xff\xff\xff")  # not a PutStartRequest
+        size, status = struct.unpack("<IB", sock.recv(5))
+        body = sock.recv(size)
+        assert status == 3  # INVALID_ARGUMENT
+        assert b"malformed PutStart request" in body
+        sock.close()
+        good = FastPathClient("127.0.0.1", fast_port(cluster), cluster.token)
+        assert good.call("Stats", pb.StatsRequest(), 5)[0].nodes == 0
+        good.close()
+        assert "Traceback" not in cluster.master.log()  # type: ignore[union-attr]
+
+
 def test_hostile_sockets_do_not_lock_out_clients() -> None:
     with StoreCluster() as cluster:
         cluster.start_master()
