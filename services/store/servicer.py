@@ -30,6 +30,7 @@ from prometheus_client import Histogram
 from mooncake_k8s.common.auth import METADATA_KEY, token_matches
 from mooncake_k8s.common.errors import InvalidArgument, NoSpace, ObjectTooLarge, StoreError
 from mooncake_k8s.common.rpc import store_pb2 as pb
+from mooncake_k8s.store.ha import JournalEntry
 from mooncake_k8s.store.masterlink import (
     EPOCH_KEY,
     FAST_PORT_KEY,
@@ -147,8 +148,6 @@ class MasterServicer:
         depends on this leader's memory alone."""
         if self.ha is None or not keys:
             return
-        from mooncake_k8s.store.ha import JournalEntry
-
         try:
             self.ha.journal_commits(
                 JournalEntry(n, inc, item) for n, inc, item in self.state.replica_records(keys))
@@ -262,8 +261,6 @@ class MasterServicer:
         records = self.state.replica_records(req.keys) if self.ha else []
         removed = self.state.remove(req.keys, req.force)
         if self.ha is not None and records:
-            from mooncake_k8s.store.ha import JournalEntry
-
             self.ha.journal_forget(JournalEntry(n, inc, item) for n, inc, item in records)
         return pb.RemoveResponse(removed=removed)
 
@@ -342,11 +339,12 @@ class Handlers:
         self._off_loop = _OFF_LOOP_HA if self._ha is not None else _OFF_LOOP
         self._methods = {name: getattr(servicer, name) for name, _ in _UNARY}
         self._timers = {name: rpc_seconds.labels(name) for name, _ in _UNARY}
-        self._trailers: tuple[tuple[str, str], ...] = ()
-        """Added to every gRPC answer (the fast path's port, once it listens)."""
+        self._grpc_trailers: Trailers = ()
+        """Added to every gRPC answer (the fast path's port, once it listens); the fast path's
+        own answers need not repeat it."""
 
     def advertise_fast_port(self, port: int) -> None:
-        self._trailers = ((FAST_PORT_KEY, str(port)),)
+        self._grpc_trailers = ((FAST_PORT_KEY, str(port)),)
 
     def _not_leader(self) -> _Abort | None:
         """With Redis HA, the refusal a standby (or deposed leader) answers; else None."""
@@ -406,13 +404,13 @@ class Handlers:
 
     def _finish(self, resp: Any) -> tuple[Any, Trailers]:
         if self._ha is None:
-            return resp, self._trailers
+            return resp, ()
         # The fencing token, checked again after the work: a leader deposed meanwhile must not
         # answer (clients drop answers from older epochs).
         refusal = self._not_leader()
         if refusal is not None:
             raise refusal
-        return resp, (*self._trailers, (EPOCH_KEY, str(self._ha.epoch)))
+        return resp, ((EPOCH_KEY, str(self._ha.epoch)),)
 
     def _unary(self, name: str) -> Callable[[Any, Any], Any]:
         async def handler(req: Any, ctx: Any) -> Any:
@@ -420,6 +418,7 @@ class Handlers:
                 await ctx.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
             try:
                 resp, trailers = await self.invoke(name, req)
+                trailers = (*self._grpc_trailers, *trailers)
                 if trailers:
                     ctx.set_trailing_metadata(trailers)
                 return resp
