@@ -2,8 +2,13 @@
 
 Per peer: `shm` when the peer shares our shared-memory domain (same `host_id`) and its segment
 files can be mapped, else `tcp`. A failed mapping falls back to TCP for that peer (logged once)
-until `forget(peer)`. RDMA is detected and reported (`rdma_status()`), never used: `rdma`
-asked for explicitly fails with the reason (no RDMA data path exists).
+until `forget(peer)`.
+
+RDMA (`rdma_verbs`) is used only when asked for (`transport="rdma"`), never by "auto": it is
+untested on hardware (see `rdma`). Asked for where `detect_rdma()` finds no device or no
+pyverbs, or where the device cannot be opened, the engine refuses at construction with the
+reason. With it, every peer is reached over RDMA; a peer that answers that it cannot serve RDMA
+is reached over TCP instead (logged once, `rdma_fallbacks()`) until `forget(peer)`.
 """
 
 from __future__ import annotations
@@ -11,12 +16,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 from mooncake_k8s.common.errors import InvalidArgument
 from mooncake_k8s.common.netutil import local_host_id
 
-from .ops import Peer, ReadOp, WriteOp
-from .rdma import RdmaStatus, detect_rdma
+from .ops import Peer, ReadOp, TransferRejected, WriteOp
+from .rdma import RdmaStatus, cached_rdma_status, rdma_state
 from .shm import ShmMapError, ShmTransport
 from .tcp import TcpTransport
 
@@ -26,23 +32,24 @@ __all__ = ["Peer", "ReadOp", "TransferEngine", "WriteOp"]
 
 TRANSPORTS = ("auto", "shm", "tcp", "rdma")
 
-_rdma_lock = threading.Lock()
-_rdma: RdmaStatus | None = None
+_rdma_logged = False
 
 
 def _rdma_status() -> RdmaStatus:
-    global _rdma
-    with _rdma_lock:
-        if _rdma is None:
-            _rdma = detect_rdma()
-            if _rdma.available:
-                log.warning(
-                    "RDMA devices found (%s) but the RDMA data path is not implemented; "
-                    "using TCP", _rdma.reason,
-                )
-            else:
-                log.info("RDMA unavailable (%s), using TCP", _rdma.reason)
-        return _rdma
+    global _rdma_logged
+    status = cached_rdma_status()
+    if not _rdma_logged:
+        _rdma_logged = True
+        if status.available:
+            log.info("RDMA devices found (%s); RDMA is used only with transport 'rdma' (its "
+                     "path is untested on hardware)", status.reason)
+        else:
+            log.info("RDMA unavailable (%s)", status.reason)
+    return status
+
+
+class _NoRdma(Exception):
+    """The peer cannot serve RDMA: use TCP for it (internal to the engine)."""
 
 
 class TransferEngine:
@@ -77,22 +84,40 @@ class TransferEngine:
         self._tcp: dict[str, TcpTransport] = {}
         self._shm: dict[str, ShmTransport] = {}
         self._shm_failed: set[str] = set()
+        self._rdma_peers: dict[str, Any] = {}  # address -> rdma_verbs.RdmaTransport
+        self._rdma_failed: set[str] = set()
         self._closed = False
         self._rdma = _rdma_status()
+        self._device: Any = None
         if transport == "rdma":
             # Asked for explicitly: refuse at construction, never fall back silently to TCP.
-            # "auto" never selects RDMA: no RDMA data path exists (untested, no device here).
+            # "auto" never selects RDMA: its path is untested on hardware.
             if not self._rdma.available:
                 raise InvalidArgument(
                     f"transport 'rdma' asked for but unavailable: {self._rdma.reason}"
                 )
-            raise InvalidArgument(
-                f"transport 'rdma' asked for: {self._rdma.reason}, but the RDMA data path is "
-                "not implemented; use 'auto' or 'tcp'"
-            )
+            try:
+                from .rdma_verbs import open_device
+
+                self._device = open_device()
+            except Exception as e:
+                raise InvalidArgument(
+                    f"transport 'rdma' asked for: {self._rdma.reason}, but the device cannot "
+                    f"be opened: {type(e).__name__}: {e}"
+                ) from e
+            log.warning("transfer engine uses RDMA, as asked; the RDMA transport is UNTESTED "
+                        "on hardware (mooncake_transfer_rdma_info says so too)")
 
     def rdma_status(self) -> RdmaStatus:
         return self._rdma
+
+    def rdma_state(self) -> str:
+        """"unavailable", "untested" or "active" (see `rdma.RDMA_STATES`)."""
+        return rdma_state(self._rdma, self.transport)
+
+    def rdma_fallbacks(self) -> int:
+        """Peers reached over TCP because they answered that they cannot serve RDMA."""
+        return len(self._rdma_failed)
 
     # -- transports ------------------------------------------------------------------------------
 
@@ -103,9 +128,60 @@ class TransferEngine:
             return False
         return peer.host_id == self.host_id and peer.address not in self._shm_failed
 
+    def _use_rdma(self, peer: Peer) -> bool:
+        return self.transport == "rdma" and peer.address not in self._rdma_failed
+
     def transport_name(self, peer: Peer) -> str:
-        """"shm" or "tcp": what the next call to this peer will use."""
+        """"shm", "tcp" or "rdma": what the next call to this peer will use."""
+        if self._use_rdma(peer):
+            return "rdma"
         return "shm" if self._use_shm(peer) else "tcp"
+
+    def _rdma_for(self, peer: Peer) -> Any:
+        t = self._rdma_peers.get(peer.address)
+        if t is None:
+            from .rdma_verbs import RdmaTransport
+
+            control = self._tcp_for(peer)
+            with self._lock:
+                if self._closed:
+                    raise InvalidArgument("transfer engine is closed")
+                t = self._rdma_peers.get(peer.address)
+                if t is None:
+                    t = RdmaTransport(control, self._device,
+                                      io_timeout_s=self._io_timeout or self._timeout)
+                    self._rdma_peers[peer.address] = t
+        return t
+
+    def _rdma_call(self, peer: Peer, ops: Sequence[Any], write: bool,
+                   with_checksum: bool) -> list[int] | None:
+        """One call over RDMA. Raises `_NoRdma` (after marking the peer) when the peer cannot
+        serve RDMA, so the caller goes on over TCP; any other failure drops the queue pair."""
+        from .rdma_verbs import RdmaUnsupported
+
+        t = self._rdma_for(peer)
+        try:
+            sums: list[int] | None = (t.write(ops, with_checksum) if write
+                                      else t.read(ops, with_checksum))
+            return sums
+        except RdmaUnsupported as e:
+            with self._lock:
+                first = peer.address not in self._rdma_failed
+                self._rdma_failed.add(peer.address)
+                self._rdma_peers.pop(peer.address, None)
+            t.close()
+            if first:
+                log.warning("peer cannot serve RDMA, using TCP for it: %s", e,
+                            extra={"peer": peer.node_id, "address": peer.address})
+            raise _NoRdma() from e
+        except TransferRejected:
+            raise
+        except Exception:
+            with self._lock:  # the next call reconnects
+                if self._rdma_peers.get(peer.address) is t:
+                    del self._rdma_peers[peer.address]
+            t.close()
+            raise
 
     def _tcp_for(self, peer: Peer) -> TcpTransport:
         t = self._tcp.get(peer.address)
@@ -145,7 +221,12 @@ class TransferEngine:
         self, peer: Peer, ops: Sequence[ReadOp], with_checksum: bool = False
     ) -> list[int] | None:
         """Fill each op's `dst` from the peer's segment; xxh3-64 of each op when asked."""
-        if self._use_shm(peer):
+        if self._use_rdma(peer):
+            try:
+                return self._rdma_call(peer, ops, False, with_checksum)
+            except _NoRdma:
+                pass
+        elif self._use_shm(peer):
             try:
                 return self._shm_for(peer).read(ops, with_checksum)
             except ShmMapError as e:
@@ -158,7 +239,12 @@ class TransferEngine:
         self, peer: Peer, ops: Sequence[WriteOp], with_checksum: bool = False
     ) -> list[int] | None:
         """Copy each op's `src` into the peer's segment; xxh3-64 of each op when asked."""
-        if self._use_shm(peer):
+        if self._use_rdma(peer):
+            try:
+                return self._rdma_call(peer, ops, True, with_checksum)
+            except _NoRdma:
+                pass
+        elif self._use_shm(peer):
             try:
                 return self._shm_for(peer).write(ops, with_checksum)
             except ShmMapError as e:
@@ -173,6 +259,10 @@ class TransferEngine:
             tcp = self._tcp.pop(peer.address, None)
             shm = self._shm.pop(peer.address, None)
             self._shm_failed.discard(peer.address)
+            rdma = self._rdma_peers.pop(peer.address, None)
+            self._rdma_failed.discard(peer.address)
+        if rdma is not None:
+            rdma.close()
         if tcp is not None:
             tcp.close()
         if shm is not None:
@@ -183,6 +273,9 @@ class TransferEngine:
             self._closed = True
             tcps, self._tcp = list(self._tcp.values()), {}
             shms, self._shm = list(self._shm.values()), {}
+            rdmas, self._rdma_peers = list(self._rdma_peers.values()), {}
+        for r in rdmas:
+            r.close()
         for t in tcps:
             t.close()
         for s in shms:

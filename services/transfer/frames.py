@@ -23,6 +23,18 @@ Responses (server -> client), in request order::
                  | message  (status != OK: `length` bytes of utf-8, <= 4096)
 
 For an OK WRITE response `length` is the number of bytes written and nothing follows.
+
+RDMA connect (op ``OP_RDMA_CONNECT``, segment name ``RDMA_CONNECT_NAME``): the request's
+payload is the client's `RdmaEndpoint` and an OK response's payload is the server's, which
+lists each served segment's (name, address, rkey, length). Like every request it can only be
+sent after the hello was accepted, so rkeys are only ever handed to authenticated peers. The
+queue pair the server creates lives as long as this TCP connection. A server that cannot serve
+RDMA answers ``ST_UNSUPPORTED`` with the reason; one older than this op closes the connection.
+
+    RDMA_ENDPOINT  4s magic b"MCRD" | u8 version | u8 mtu | u8 rd_atomic | pad | u16 lid
+                   | u16 n_regions | u32 qp_num | u32 psn | u32 max_message | 16s gid
+                   | n_regions x (RDMA_REGION | name)
+    RDMA_REGION    u8 name_len | pad(3) | u32 rkey | u64 addr | u64 length
 `length` of one operation is at most ``MAX_OP_BYTES``; anything that breaks these rules is a
 `ProtocolError` and the connection is closed. Range and segment errors are answered with an
 error status and the connection stays usable.
@@ -47,10 +59,15 @@ HELLO = struct.Struct("!4sHH")
 HELLO_REPLY = struct.Struct("!4sHBxH")
 REQUEST = struct.Struct("!2sBBIQQ")
 RESPONSE = struct.Struct("!2sBxIQ")
+RDMA_ENDPOINT = struct.Struct("!4sBBBxHHIII16s")
+RDMA_REGION = struct.Struct("!BxxxIQQ")
 
 OP_READ = 1
 OP_WRITE = 2
-OPS = {OP_READ: "READ", OP_WRITE: "WRITE"}
+OP_RDMA_CONNECT = 3
+OPS = {OP_READ: "READ", OP_WRITE: "WRITE", OP_RDMA_CONNECT: "RDMA_CONNECT"}
+RDMA_CONNECT_NAME = b"rdma"
+"""The segment-name field of an RDMA connect request (the framing needs one; it names none)."""
 
 HELLO_OK = 0
 HELLO_AUTH_FAILED = 1
@@ -64,6 +81,7 @@ ST_OUT_OF_RANGE = 2
 ST_TOO_LARGE = 3
 ST_BAD_REQUEST = 4
 ST_INTERNAL = 5
+ST_UNSUPPORTED = 6  # RDMA connect: this server cannot serve RDMA (the message says why)
 STATUSES = {
     ST_OK: "ok",
     ST_UNKNOWN_SEGMENT: "unknown segment",
@@ -71,6 +89,7 @@ STATUSES = {
     ST_TOO_LARGE: "too large",
     ST_BAD_REQUEST: "bad request",
     ST_INTERNAL: "internal error",
+    ST_UNSUPPORTED: "unsupported",
 }
 
 MAX_TOKEN = 1024
@@ -78,6 +97,11 @@ MAX_NAME = 100
 MAX_MESSAGE = 4096
 MAX_OP_BYTES = 1 << 36
 MAX_OFFSET = 1 << 48
+MAX_RDMA_ENDPOINT = 1 << 20
+"""Largest RDMA endpoint payload either side accepts (about 20,000 regions)."""
+MAX_RDMA_REGIONS = 8192
+RDMA_MAGIC = b"MCRD"
+RDMA_VERSION = 1
 
 _NAME_RE = re.compile(rb"[A-Za-z0-9._-]{1,100}")
 
@@ -202,6 +226,8 @@ def decode_request_header(data: Buf, pos: int = 0) -> tuple[int, int, int, int, 
         raise ProtocolError(f"segment name length {nlen} outside 1..{MAX_NAME}")
     if length > MAX_OP_BYTES:
         raise ProtocolError(f"length {length} over limit {MAX_OP_BYTES}")
+    if op == OP_RDMA_CONNECT and length > MAX_RDMA_ENDPOINT:
+        raise ProtocolError(f"RDMA endpoint of {length} bytes over limit {MAX_RDMA_ENDPOINT}")
     if off > MAX_OFFSET:
         raise ProtocolError(f"offset {off} over limit {MAX_OFFSET}")
     return op, nlen, rid, off, length
@@ -215,7 +241,7 @@ def decode_request(data: Buf) -> tuple[Request, int]:
         raise ProtocolError(f"truncated segment name: {len(data) - REQUEST.size} of {nlen} bytes")
     name = decode_name(data[REQUEST.size : end])
     payload = b""
-    if op == OP_WRITE:
+    if op in (OP_WRITE, OP_RDMA_CONNECT):
         if len(data) - end < length:
             raise ProtocolError(f"truncated WRITE payload: {len(data) - end} of {length} bytes")
         payload = bytes(data[end : end + length])
@@ -257,8 +283,97 @@ def decode_response(data: Buf, op: int = OP_READ) -> tuple[Response, int]:
     """One complete response to a request of kind `op` and the number of bytes it used."""
     status, rid, length = decode_response_header(data)
     end = RESPONSE.size
-    if status != ST_OK or op == OP_READ:
+    if status != ST_OK or op in (OP_READ, OP_RDMA_CONNECT):
         if len(data) - end < length:
             raise ProtocolError(f"truncated response body: {len(data) - end} of {length} bytes")
         return Response(status, rid, length, bytes(data[end : end + length])), end + length
     return Response(status, rid, length), end
+
+
+# -- RDMA endpoints ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RdmaRegion:
+    """A segment registered for RDMA at the server: remote reads and writes of
+    `[addr, addr + length)` use `rkey`."""
+
+    name: str
+    addr: int
+    rkey: int
+    length: int
+
+
+@dataclass(frozen=True)
+class RdmaEndpoint:
+    """One side of an RC queue pair, as exchanged in an RDMA connect: what the other side's
+    INIT -> RTR -> RTS transitions need, plus (server side) the registered segments."""
+
+    qp_num: int
+    psn: int
+    lid: int
+    gid: bytes
+    mtu: int
+    rd_atomic: int
+    max_message: int
+    regions: tuple[RdmaRegion, ...] = ()
+
+
+def encode_rdma_endpoint(ep: RdmaEndpoint) -> bytes:
+    """Raises ValueError for a field out of its wire range (a bug on our side, not the peer's)."""
+    if not (0 <= ep.qp_num < 1 << 24 and 0 <= ep.psn < 1 << 24 and 0 <= ep.lid < 1 << 16):
+        raise ValueError(f"RDMA endpoint field out of range: {ep}")
+    if len(ep.gid) != 16 or not 1 <= ep.mtu <= 5 or not 0 <= ep.rd_atomic < 256:
+        raise ValueError(f"RDMA endpoint gid/mtu/rd_atomic out of range: {ep}")
+    if len(ep.regions) > MAX_RDMA_REGIONS:
+        raise ValueError(f"{len(ep.regions)} RDMA regions, over limit {MAX_RDMA_REGIONS}")
+    parts = [RDMA_ENDPOINT.pack(RDMA_MAGIC, RDMA_VERSION, ep.mtu, ep.rd_atomic, ep.lid,
+                                len(ep.regions), ep.qp_num, ep.psn,
+                                min(ep.max_message, 0xFFFFFFFF), ep.gid)]
+    for r in ep.regions:
+        name = encode_name(r.name)
+        if not (0 <= r.rkey < 1 << 32 and 0 <= r.addr < 1 << 64 and 0 <= r.length < 1 << 64):
+            raise ValueError(f"RDMA region field out of range: {r}")
+        parts.append(RDMA_REGION.pack(len(name), r.rkey, r.addr, r.length) + name)
+    out = b"".join(parts)
+    if len(out) > MAX_RDMA_ENDPOINT:
+        raise ValueError(f"RDMA endpoint of {len(out)} bytes over limit {MAX_RDMA_ENDPOINT}")
+    return out
+
+
+def decode_rdma_endpoint(data: Buf) -> RdmaEndpoint:
+    """The peer's endpoint; anything malformed (a hostile or buggy peer) is a ProtocolError."""
+    data = bytes(data)
+    if len(data) > MAX_RDMA_ENDPOINT:
+        raise ProtocolError(f"RDMA endpoint of {len(data)} bytes over limit {MAX_RDMA_ENDPOINT}")
+    if len(data) < RDMA_ENDPOINT.size:
+        raise ProtocolError(f"truncated RDMA endpoint: {len(data)} of {RDMA_ENDPOINT.size} bytes")
+    (magic, version, mtu, rd_atomic, lid, count, qp_num, psn, max_message,
+     gid) = RDMA_ENDPOINT.unpack_from(data, 0)
+    if magic != RDMA_MAGIC:
+        raise ProtocolError(f"bad RDMA endpoint magic {magic!r}")
+    if version != RDMA_VERSION:
+        raise ProtocolError(f"unsupported RDMA endpoint version {version}")
+    if not 1 <= mtu <= 5:
+        raise ProtocolError(f"RDMA endpoint mtu code {mtu} outside 1..5")
+    if qp_num >= 1 << 24 or psn >= 1 << 24:
+        raise ProtocolError(f"RDMA endpoint qp_num {qp_num} or psn {psn} over 24 bits")
+    if count > MAX_RDMA_REGIONS:
+        raise ProtocolError(f"{count} RDMA regions, over limit {MAX_RDMA_REGIONS}")
+    pos = RDMA_ENDPOINT.size
+    regions: list[RdmaRegion] = []
+    for _ in range(count):
+        if len(data) - pos < RDMA_REGION.size:
+            raise ProtocolError("truncated RDMA region")
+        nlen, rkey, addr, length = RDMA_REGION.unpack_from(data, pos)
+        pos += RDMA_REGION.size
+        if len(data) - pos < nlen:
+            raise ProtocolError("truncated RDMA region name")
+        name = decode_name(data[pos : pos + nlen])
+        pos += nlen
+        if addr + length > 1 << 64:
+            raise ProtocolError(f"RDMA region {name!r} wraps the address space")
+        regions.append(RdmaRegion(name, addr, rkey, length))
+    if pos != len(data):
+        raise ProtocolError(f"{len(data) - pos} trailing bytes after the RDMA endpoint")
+    return RdmaEndpoint(qp_num, psn, lid, gid, mtu, rd_atomic, max_message, tuple(regions))

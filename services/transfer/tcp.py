@@ -27,8 +27,11 @@ from .frames import (
     HELLO_BUSY,
     HELLO_OK,
     HELLO_REPLY,
+    MAX_RDMA_ENDPOINT,
+    OP_RDMA_CONNECT,
     OP_READ,
     OP_WRITE,
+    RDMA_CONNECT_NAME,
     REQ_MAGIC,
     REQUEST,
     RESP_MAGIC,
@@ -38,6 +41,7 @@ from .frames import (
     decode_response_header,
     encode_hello,
     encode_name,
+    encode_request,
 )
 from .ops import ReadOp, TransferRejected, WriteOp, as_view, check_range
 from .tcp_io import RECV_CHUNK, SMALL, SOCK_BUF, Closed, Reader, sendv, tune
@@ -214,6 +218,45 @@ class TcpTransport:
         for c in slots:
             if c is not None:
                 c.close()
+
+    def exchange_rdma(self, endpoint: bytes) -> tuple[socket.socket, bytes]:
+        """Send our RDMA endpoint on a new authenticated connection of its own (not pooled)
+        and return that connection with the peer's endpoint bytes.
+
+        The peer's queue pair lives as long as the returned socket: the caller keeps it open
+        while it uses RDMA and closes it to tear the pair down. Raises `TransferRejected` with
+        the peer's status and reason when it refuses (``ST_UNSUPPORTED``: it cannot serve
+        RDMA), `AuthError` for a wrong token, `TransferError`/`TransferTimeout` otherwise.
+        """
+        if len(endpoint) > MAX_RDMA_ENDPOINT:
+            raise InvalidArgument(f"RDMA endpoint of {len(endpoint)} bytes over limit")
+        conn = self._connect()
+        try:
+            conn.sock.sendall(
+                encode_request(OP_RDMA_CONNECT, RDMA_CONNECT_NAME, 1, 0, len(endpoint))
+                + endpoint)
+            p = conn.rd.fill(RESPONSE.size, readahead=False)
+            status, rid, length = decode_response_header(conn.rd.buf, p)
+            conn.rd.start = p + RESPONSE.size
+            if rid != 1:
+                raise ProtocolError(f"response id {rid} from {self.address}, expected 1")
+            if length > MAX_RDMA_ENDPOINT:
+                raise ProtocolError(f"RDMA endpoint of {length} bytes from {self.address}")
+            body = conn.rd.read_bytes(length)
+        except BaseException as e:
+            conn.close()
+            if isinstance(e, (TransferError, AuthError)):
+                raise
+            if isinstance(e, OSError):
+                raise self._wrap(e) from e
+            raise
+        if status != ST_OK:
+            conn.close()
+            raise TransferRejected(
+                f"{self.address}: {body.decode('utf-8', 'replace')}", status)
+        with contextlib.suppress(OSError):
+            conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        return conn.sock, body
 
     # -- public API ----------------------------------------------------------------------------
 

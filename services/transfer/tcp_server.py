@@ -8,6 +8,13 @@ Connections are accepted and authenticated by `admission.FrontDoor` on one threa
 budget and a deadline of their own; only authenticated connections get a serving thread and
 count against `max_connections`. A served connection that stalls in the middle of a frame for
 `io_timeout_s` is closed, and so is one idle between frames for `idle_timeout_s`.
+
+RDMA connect (see `frames`): answered on the connection that asked, by `rdma_verbs`'s
+responder, opened on the first such request and only when this host has an RDMA device and
+pyverbs; otherwise the answer is ``ST_UNSUPPORTED`` with the reason. The server never selects
+RDMA itself, it only answers a client that asked. The queue pair belongs to the connection:
+such a connection is exempt from the idle limit (its traffic goes over RDMA, not this socket)
+and the pair is destroyed when the connection ends. The RDMA path is untested on hardware.
 """
 
 from __future__ import annotations
@@ -18,25 +25,32 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from mooncake_k8s.common.errors import ProtocolError
 
 from .admission import FrontDoor
 from .frames import (
+    OP_RDMA_CONNECT,
     OP_READ,
     OP_WRITE,
     REQ_MAGIC,
     REQUEST,
     RESP_MAGIC,
     RESPONSE,
+    ST_BAD_REQUEST,
     ST_OK,
     ST_OUT_OF_RANGE,
     ST_UNKNOWN_SEGMENT,
+    ST_UNSUPPORTED,
     decode_name,
+    decode_rdma_endpoint,
     decode_request_header,
     encode_error,
     encode_name,
+    encode_rdma_endpoint,
 )
+from .rdma import cached_rdma_status
 from .segments import Segment
 from .tcp_io import SOCK_BUF, Reader, sendv, tune
 
@@ -58,7 +72,8 @@ class TransferServer:
     `max_connections` bounds authenticated connections; `max_handshakes` and
     `handshake_timeout_s` bound the ones still authenticating (see `admission`);
     `on_event(kind)` counts front-door outcomes ("accepted", "authenticated", "evicted",
-    "timed_out", "rejected", "busy") for metrics.
+    "timed_out", "rejected", "busy") for metrics. `rdma=False` answers every RDMA connect
+    with ``ST_UNSUPPORTED`` even where a device exists.
     """
 
     def __init__(
@@ -75,6 +90,7 @@ class TransferServer:
         idle_timeout_s: float = 300.0,
         on_bytes: Callable[[str, int], None] | None = None,
         on_event: Callable[[str], None] | None = None,
+        rdma: bool = True,
     ) -> None:
         if max_connections < 1 or max_handshakes < 1:
             raise ValueError("max_connections and max_handshakes must be >= 1")
@@ -98,6 +114,10 @@ class TransferServer:
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._stopping = False
+        self._rdma_allowed = rdma
+        self._rdma_lock = threading.Lock()
+        self._rdma: Any = None  # rdma_verbs.RdmaResponder, opened on the first RDMA connect
+        self._rdma_problem = ""
 
     # -- segments ------------------------------------------------------------------------------
 
@@ -114,6 +134,9 @@ class TransferServer:
             segs = dict(self._segments)
             seg = segs.pop(key, None)
             self._segments = segs
+            responder = self._rdma
+        if responder is not None:
+            responder.forget(name)
         return seg
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -182,6 +205,10 @@ class TransferServer:
         for s in conns:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
+        with self._rdma_lock:
+            responder, self._rdma = self._rdma, None
+        if responder is not None:
+            responder.close()
 
     def __enter__(self) -> TransferServer:
         self.start()
@@ -214,10 +241,11 @@ class TransferServer:
     # -- one connection ------------------------------------------------------------------------
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
+        held: list[Any] = []  # this connection's RDMA queue pair, if it asked for one
         try:
             sock.setblocking(True)
             tune(sock, min(self._io_timeout, self._idle_timeout))
-            self._loop(sock, Reader(sock))
+            self._loop(sock, Reader(sock), peer, held)
         except ProtocolError as e:
             log.warning("closing transfer connection: %s", e, extra={"peer": peer})
         except BlockingIOError:
@@ -234,9 +262,55 @@ class TransferServer:
             log.exception("closing transfer connection after an internal error",
                           extra={"peer": peer})
         finally:
+            for qp in held:
+                qp.close()
             self._release(sock)
 
-    def _loop(self, sock: socket.socket, rd: Reader) -> None:
+    # -- RDMA connect --------------------------------------------------------------------------
+
+    def _responder(self) -> tuple[Any, str]:
+        """(responder, "") or (None, why this server cannot serve RDMA)."""
+        with self._rdma_lock:
+            if self._rdma is not None or self._rdma_problem:
+                return self._rdma, self._rdma_problem
+            if not self._rdma_allowed:
+                self._rdma_problem = "RDMA is disabled on this transfer server"
+                return None, self._rdma_problem
+            status = cached_rdma_status()
+            if not status.available:
+                self._rdma_problem = status.reason
+                return None, status.reason
+            try:
+                from .rdma_verbs import RdmaResponder, open_device
+
+                self._rdma = RdmaResponder(open_device())
+            except Exception as e:  # pyverbs errors, or no usable port
+                self._rdma_problem = f"cannot open the RDMA device: {type(e).__name__}: {e}"
+                log.warning("transfer server: %s", self._rdma_problem)
+            return self._rdma, self._rdma_problem
+
+    def _rdma_connect(self, rid: int, payload: bytes, peer: str, held: list[Any]) -> bytes:
+        """The response to one RDMA connect (an error status keeps the connection)."""
+        client = decode_rdma_endpoint(payload)  # malformed: ProtocolError closes the connection
+        if held:
+            return encode_error(ST_BAD_REQUEST, rid, "this connection already has an RDMA "
+                                "queue pair; open another connection for another")
+        responder, problem = self._responder()
+        if responder is None:
+            return encode_error(ST_UNSUPPORTED, rid, f"RDMA unavailable at the peer: {problem}")
+        try:
+            local, served = responder.accept(client, self._segments)
+        except Exception as e:
+            log.warning("RDMA connect failed: %s", e, extra={"peer": peer})
+            return encode_error(ST_UNSUPPORTED, rid, f"RDMA setup failed at the peer: "
+                                f"{type(e).__name__}: {e}")
+        held.append(served)
+        body = encode_rdma_endpoint(local)
+        log.info("RDMA queue pair served (untested on hardware)",
+                 extra={"peer": peer, "regions": len(local.regions)})
+        return RESPONSE.pack(RESP_MAGIC, ST_OK, rid, len(body)) + body
+
+    def _loop(self, sock: socket.socket, rd: Reader, peer: str, held: list[Any]) -> None:
         pending: list[bytes | memoryview] = []
         pending_bytes = 0
         pending_data = False
@@ -261,13 +335,19 @@ class TransferServer:
                         # Idle between frames is fine for a while; a partial header is not.
                         if rd.end != rd.start or self._stopping:
                             raise
-                        if time.monotonic() - waiting >= self._idle_timeout:
+                        if time.monotonic() - waiting >= self._idle_timeout and not held:
                             raise _Idle() from None
             else:
                 p = rd.start
             magic, op, nlen, rid, off, length = unpack(rd.buf, p)
             if magic != REQ_MAGIC or op not in (OP_READ, OP_WRITE) or not 0 < nlen <= 100:
                 decode_request_header(rd.buf, p)  # raises the specific ProtocolError
+                if op == OP_RDMA_CONNECT:  # rare, once per RDMA peer: off the fast path
+                    p = rd.fill(hsize + nlen)
+                    rd.start = p + hsize + nlen
+                    payload = rd.read_bytes(length)
+                    pending.append(self._rdma_connect(rid, payload, peer, held))
+                    continue
             if length > 1 << 36 or off > 1 << 48:
                 decode_request_header(rd.buf, p)
             p = rd.fill(hsize + nlen)
