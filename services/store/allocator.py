@@ -128,9 +128,15 @@ class SegmentAllocator:
         self._count += 1
         self._used += need
 
-    def free(self, offset: int, size: int | None = None) -> int:
+    def recount(self, delta: int) -> None:
+        """Change the allocation count without touching any range: a space lease's extent is
+        one allocation until objects are carved out of it (`spaces`)."""
+        self._count += delta
+
+    def free(self, offset: int, size: int | None = None, *, counted: bool = True) -> int:
         """Free the range allocated at `offset` (of `size` bytes, which an untracked allocator
-        needs); returns its rounded length."""
+        needs); returns its rounded length. `counted=False` frees an unused part of a larger
+        allocation (an extent's gap), which the allocation count never included."""
         if self._allocated is None:
             if size is None:
                 raise ValueError("an untracked allocator frees a range by offset and size")
@@ -144,7 +150,8 @@ class SegmentAllocator:
                 raise ValueError(f"the allocation at offset {offset} is {found} bytes, not {size}")
             del self._allocated[offset]
             length = found
-        self._count -= 1
+        if counted:
+            self._count -= 1
         self._used -= length
         start, end = offset, offset + length
         # Coalesce with the free range just before and just after.

@@ -63,6 +63,7 @@ from mooncake_k8s.store.masterlink import (
     MasterLink,
     trailers_of,
 )
+from mooncake_k8s.store.spacewriter import LEASE_BYTES, RETRY, SpaceWriter
 from mooncake_k8s.transfer import Peer, ReadOp, SegmentDesc, Tier, TransferEngine, WriteOp
 
 _PLACEMENTS = {
@@ -101,6 +102,11 @@ def _location(r: pb.Replica) -> Location:
     )
 
 
+def _located(r: pb.Replica) -> tuple[Peer, SegmentDesc, int]:
+    loc = _location(r)
+    return loc.peer, loc.segment, loc.offset
+
+
 def _rpc_error(e: grpc.RpcError, what: str) -> StoreError | InvalidArgument | AuthError:
     """Turn a master status into this project's exception types, keeping the master's message."""
     code = e.code()
@@ -134,6 +140,8 @@ class StoreClient:
     reaches the engines' plug-ins in their child processes too) or 1.
     `attempt_timeout_s` bounds one transfer attempt against one replica's node without
     progress, and `suspect_s` is how long a node that failed one is read last.
+    `space_lease_bytes` is the extent a put leases so that later puts cost one master round
+    trip each (`spacewriter`); 0 makes every put take the classic two.
     """
 
     def __init__(
@@ -153,6 +161,7 @@ class StoreClient:
         host_id: str | None = None,
         master_attempt_s: float = 2.0,
         replicas: int | None = None,
+        space_lease_bytes: int = LEASE_BYTES,
     ) -> None:
         if transport not in ("auto", "shm", "tcp"):
             raise InvalidArgument(f"transport must be auto, shm or tcp, not {transport!r}")
@@ -190,8 +199,11 @@ class StoreClient:
             token, host_id=self._host_id, connections_per_peer=connections_per_peer,
             transport=transport, timeout_s=timeout_s, io_timeout_s=attempt_timeout_s,
         )
+        self._spaces = SpaceWriter(
+            self._call, self._write_checksummed, _located, self._host_id, space_lease_bytes)
 
     def close(self) -> None:
+        self._spaces.close()
         self.engine.close()
         self._link.close()
 
@@ -242,11 +254,45 @@ class StoreClient:
         placement: str = "local_first",
         preferred_segment: str | None = None,
     ) -> list[Exception | None]:
-        """Put many objects with one PutStart and one PutEnd round trip; a result per key."""
+        """Put many objects; a result per key. One master round trip (`PutCommit`) when the
+        client's leased extent has room for them, else a lease first; puts too large for an
+        extent, or whose lease was lost, take PutStart and PutEnd (one of each per batch)."""
         if len(keys) != len(datas):
             raise InvalidArgument("keys and datas differ in length")
         views = [byte_view(d) for d in datas]
         replicas = self.replicas if replicas is None else replicas
+        if placement not in _PLACEMENTS:
+            raise InvalidArgument(f"placement must be one of {sorted(_PLACEMENTS)}")
+        for k, v in zip(keys, views, strict=True):
+            if not len(v):
+                raise InvalidArgument(
+                    f"object {k!r} is empty; the store keeps objects of >= 1 byte")
+        shape = (replicas, _PLACEMENTS[placement], preferred_segment or "")
+        fast = self._spaces.put(keys, views, shape)
+        if fast is None:
+            return self._put_classic(keys, views, replicas, placement, preferred_segment)
+        again = [i for i, r in enumerate(fast) if r is RETRY]
+        if again:
+            redo = self._put_classic([keys[i] for i in again], [views[i] for i in again],
+                                     replicas, placement, preferred_segment)
+            for i, r in zip(again, redo, strict=True):
+                fast[i] = r
+        return fast
+
+    def _write_checksummed(self, peer: Peer, ops: list[WriteOp]) -> list[int]:
+        try:
+            got = self.engine.write(peer, ops, with_checksum=True)
+        except TransferError:
+            self._failed(peer)
+            raise
+        assert got is not None
+        return got
+
+    def _put_classic(
+        self, keys: Sequence[str], views: Sequence[memoryview], replicas: int, placement: str,
+        preferred_segment: str | None,
+    ) -> list[Exception | None]:
+        """PutStart (the master allocates), write, PutEnd: two round trips per batch."""
         reqs = [
             self._put_start_request(k, len(v), replicas, placement, preferred_segment)
             for k, v in zip(keys, views, strict=True)

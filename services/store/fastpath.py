@@ -68,6 +68,9 @@ METHODS: tuple[tuple[str, Any, Any], ...] = (
     ("Remove", pb.RemoveRequest, pb.RemoveResponse),
     ("Pin", pb.PinRequest, pb.PinResponse),
     ("Stats", pb.StatsRequest, pb.StatsResponse),
+    ("SpaceLease", pb.SpaceLeaseRequest, pb.SpaceLeaseResponse),
+    ("PutCommit", pb.PutCommitRequest, pb.PutCommitResponse),
+    ("SpaceRelease", pb.SpaceReleaseRequest, pb.SpaceReleaseResponse),
 )
 METHOD_IDS = {name: i for i, (name, _, _) in enumerate(METHODS)}
 _HDR = struct.Struct("<IB")

@@ -65,6 +65,7 @@ class NodeMembership:
     _cond: threading.Condition
     _closed: bool
     _now: Callable[[], float]
+    _cancel_spaces: Callable[[Node], None]  # SpaceLeases (after this class in the MRO)
 
     def _op(self) -> contextlib.AbstractContextManager[None]:
         raise NotImplementedError
@@ -190,6 +191,7 @@ class NodeMembership:
         for cp in [c for c in self._copies.values() if c.node is node]:
             del self._copies[cp.cmd_id]
             self._cancel_copy(cp)
+        self._cancel_spaces(node)
         for put in [p for p in self._pending.values() if any(r.seg.node is node for r in p.reps)]:
             log.info("put cancelled: its node restarted",
                      extra={"key": put.key, "put_id": put.put_id, "node_id": node.node_id})
@@ -295,6 +297,7 @@ class NodeMembership:
         for put in list(self._pending.values()):
             if any(r.seg.node is node for r in put.reps):
                 self._end_pending(put)
+        self._cancel_spaces(node)
         for cp in list(self._copies.values()):
             if cp.node is node:
                 del self._copies[cp.cmd_id]

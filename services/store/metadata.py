@@ -69,6 +69,7 @@ from mooncake_k8s.store.records import (
     encode_entry,
     rep_pb,
 )
+from mooncake_k8s.store.spaces import SPACE_TTL_S, SpaceLease, SpaceLeases
 from mooncake_k8s.store.tiering import TierPolicy
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ class PutSuperseded(StoreError):
 CLAIM_BYTES_PER_S = 256 << 20
 
 
-class MasterState(NodeMembership, TierPolicy):
+class MasterState(NodeMembership, TierPolicy, SpaceLeases):
     """Everything the master knows; see the module docstring. Thread-safe."""
 
     def __init__(
@@ -117,6 +118,7 @@ class MasterState(NodeMembership, TierPolicy):
         low_watermark: float = 0.85,
         put_timeout_s: float = 30.0,
         put_claim_s: float = 1.0,
+        space_ttl_s: float = SPACE_TTL_S,
         lease_ms: int = 2000,
         max_lease_ms: int = MAX_LEASE_MS,
         node_timeout_s: float = 10.0,
@@ -140,6 +142,7 @@ class MasterState(NodeMembership, TierPolicy):
         self.low_watermark = low_watermark
         self.put_timeout_s = put_timeout_s
         self.put_claim_s = put_claim_s
+        self.space_ttl_s = space_ttl_s
         self.lease_ms = lease_ms
         self.max_lease_ms = max_lease_ms
         self.node_timeout_s = node_timeout_s
@@ -154,6 +157,7 @@ class MasterState(NodeMembership, TierPolicy):
         self._objects: dict[str, Obj] = {}
         self._pending: OrderedDict[int, Pending] = OrderedDict()  # deadline order
         self._pending_keys: dict[str, int] = {}
+        self._spaces: OrderedDict[int, SpaceLease] = OrderedDict()  # last-use order
         self._leases: dict[int, Lease] = {}
         self._lease_heap: list[tuple[float, int]] = []
         self._copies: dict[int, Copy] = {}
@@ -173,6 +177,9 @@ class MasterState(NodeMembership, TierPolicy):
         self.hidden_objects = 0
 
     # -- plumbing --------------------------------------------------------------------------
+
+    def _new_id(self) -> int:
+        return next(self._ids)
 
     @contextlib.contextmanager
     def _op(self) -> Iterator[None]:
@@ -250,18 +257,7 @@ class MasterState(NodeMembership, TierPolicy):
         """Allocate space for a new object. `exists=True` (put_id 0) when the key is already
         stored, or (with `in_progress`) another put of it holds a live claim on the key."""
         check_key(key)
-        if replicas == 0:
-            replicas = 1
-        if not 1 <= replicas <= MAX_REPLICAS:
-            raise InvalidArgument(f"replicas must be 1..{MAX_REPLICAS}, got {replicas}")
-        if size < 1:
-            raise InvalidArgument("size must be >= 1 (the store keeps no empty objects)")
-        if size > self.max_object_size:
-            raise ObjectTooLarge(
-                f"object of {size} bytes is too large: the limit is {self.max_object_size}"
-            )
-        if placement not in (pb.PLACEMENT_UNSPECIFIED, pb.LOCAL_FIRST, pb.PREFERRED, pb.MOST_FREE):
-            raise InvalidArgument(f"unknown placement {placement}")
+        replicas = self._check_put(size, replicas, placement)
         with self._op():
             if key in self._objects:
                 return pb.PutStartResponse(exists=True)
@@ -284,6 +280,22 @@ class MasterState(NodeMembership, TierPolicy):
             self._pending_keys[key] = put_id
             return pb.PutStartResponse(put_id=put_id, replicas=[rep_pb(r) for r in reps])
 
+    def _check_put(self, size: int, replicas: int, placement: int) -> int:
+        """Validate a put's (or a space lease's) shape; returns the replica count (0 means 1)."""
+        if replicas == 0:
+            replicas = 1
+        if not 1 <= replicas <= MAX_REPLICAS:
+            raise InvalidArgument(f"replicas must be 1..{MAX_REPLICAS}, got {replicas}")
+        if size < 1:
+            raise InvalidArgument("size must be >= 1 (the store keeps no empty objects)")
+        if size > self.max_object_size:
+            raise ObjectTooLarge(
+                f"object of {size} bytes is too large: the limit is {self.max_object_size}"
+            )
+        if placement not in (pb.PLACEMENT_UNSPECIFIED, pb.LOCAL_FIRST, pb.PREFERRED, pb.MOST_FREE):
+            raise InvalidArgument(f"unknown placement {placement}")
+        return replicas
+
     def put_end(self, key: str, put_id: int, checksum: int) -> None:
         """Publish a written object: from now on lookups see it."""
         if not 0 <= checksum < 1 << 64:  # (gRPC gives a uint64; in-process callers may not)
@@ -303,13 +315,17 @@ class MasterState(NodeMembership, TierPolicy):
                     f"(the claim of put {put_id} had lapsed); nothing more to write"
                 )
             self._end_pending(put, free=False)
-            obj = Obj(key, put.size, checksum, put.reps)
-            self._objects[key] = obj
-            for rep in put.reps:
-                seg = rep.seg
-                seg.enqueue(obj)
-                self._command(seg.node, _CMD.COMMITTED, key, seg, rep.offset, put.size, checksum)
-                self._emit(_EV.STORED, key, put.size, seg)
+            self._publish(key, put.size, checksum, put.reps)
+
+    def _publish(self, key: str, size: int, checksum: int, reps: list[Rep]) -> None:
+        """Make a written object visible: lookups see it, its nodes and watchers hear of it."""
+        obj = Obj(key, size, checksum, reps)
+        self._objects[key] = obj
+        for rep in reps:
+            seg = rep.seg
+            seg.enqueue(obj)
+            self._command(seg.node, _CMD.COMMITTED, key, seg, rep.offset, size, checksum)
+            self._emit(_EV.STORED, key, size, seg)
 
     def put_revoke(self, key: str, put_id: int) -> None:
         """Abandon a put; its space is freed."""
@@ -516,6 +532,7 @@ class MasterState(NodeMembership, TierPolicy):
                     break
                 log.info("put timed out", extra={"key": put.key, "put_id": put.put_id})
                 self._end_pending(put)
+            self._expire_spaces(now)
             heap = self._lease_heap
             while heap and heap[0][0] <= now:
                 _, lease_id = heapq.heappop(heap)
@@ -568,6 +585,7 @@ class MasterState(NodeMembership, TierPolicy):
                 "spills": self.spills, "promotions": self.promotions,
                 "objects": len(self._objects), "nodes": len(self._nodes),
                 "pending_puts": len(self._pending), "leases": len(self._leases),
+                "space_leases": len(self._spaces),
             }
 
     def segment_usage(self) -> list[tuple[str, int, int, int]]:

@@ -55,7 +55,7 @@ COMMAND_COALESCE_S = 0.002
 """After sending commands to a node, wait this long before sending more."""
 _OFF_LOOP = frozenset({"RegisterNode"})
 """Unary calls run on the executor instead of the event loop (see the module docstring)."""
-_OFF_LOOP_HA = _OFF_LOOP | {"PutEnd", "BatchPutEnd", "Remove", "Pin"}
+_OFF_LOOP_HA = _OFF_LOOP | {"PutEnd", "BatchPutEnd", "PutCommit", "Remove", "Pin"}
 """With Redis HA these also write to Redis before they answer: kept off the loop too."""
 
 
@@ -241,6 +241,22 @@ class MasterServicer:
                        if not err], f"batch of {len(req.items)} puts")
         return resp
 
+    def SpaceLease(self, req: pb.SpaceLeaseRequest, ctx: Any) -> pb.SpaceLeaseResponse:
+        self._authoritative()
+        return self.state.lease_space(
+            req.size, req.min_size, req.replicas, req.placement, req.preferred_segment,
+            req.client_host_id,
+        )
+
+    def PutCommit(self, req: pb.PutCommitRequest, ctx: Any) -> pb.PutCommitResponse:
+        resp = self.state.put_commit(req.lease_id, req.items, req.release)
+        self._durable([it.key for it, err in zip(req.items, resp.errors, strict=False)
+                       if not err], f"commit of {len(req.items)} puts")
+        return resp
+
+    def SpaceRelease(self, req: pb.SpaceReleaseRequest, ctx: Any) -> pb.SpaceReleaseResponse:
+        return pb.SpaceReleaseResponse(found=self.state.space_release(req.lease_id))
+
     # -- reads -----------------------------------------------------------------------------
 
     def GetReplicas(self, req: pb.GetReplicasRequest, ctx: Any) -> bytes:
@@ -309,6 +325,9 @@ _UNARY: tuple[tuple[str, Any], ...] = (
     ("PutRevoke", pb.PutRevokeRequest),
     ("BatchPutStart", pb.BatchPutStartRequest),
     ("BatchPutEnd", pb.BatchPutEndRequest),
+    ("SpaceLease", pb.SpaceLeaseRequest),
+    ("PutCommit", pb.PutCommitRequest),
+    ("SpaceRelease", pb.SpaceReleaseRequest),
     ("GetReplicas", pb.GetReplicasRequest),
     ("ReleaseLease", pb.ReleaseLeaseRequest),
     ("Exists", pb.ExistsRequest),

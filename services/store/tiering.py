@@ -81,12 +81,15 @@ class TierPolicy:
     # -- placement -----------------------------------------------------------------------------
 
     def _place(
-        self, size: int, n: int, placement: int, preferred: str, host_id: str
+        self, size: int, n: int, placement: int, preferred: str, host_id: str,
+        evict: bool = True,
     ) -> list[Rep]:
         """Pick and allocate `n` replicas on distinct nodes, each under its high watermark.
 
         DRAM segments with room in placement order first (one without room starts spilling);
-        then SSD segments with room; then DRAM made room in by eviction, then SSD likewise.
+        then SSD segments with room; then (unless `evict` is False: a space lease's generous
+        extent is not worth dropping cached objects for) DRAM made room in by eviction, then
+        SSD likewise.
         """
         alive = list(self._segments.values())
         if not alive:
@@ -107,7 +110,9 @@ class TierPolicy:
             fits.sort(key=lambda s: s.node.host_id != host_id)
         drams = [s for s in fits if s.tier == DRAM]
         ssds = [s for s in fits if s.tier != DRAM]
-        passes = [(drams, False), (ssds, False), (drams, True), (ssds, True)]
+        passes = [(drams, False), (ssds, False)]
+        if evict:
+            passes += [(drams, True), (ssds, True)]
         chosen: list[Rep] = []
         used: set[str] = set()
         for segs, evict in passes:

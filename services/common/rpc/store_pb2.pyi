@@ -277,6 +277,78 @@ class BatchPutEndResponse(_message.Message):
     error_codes: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, errors: _Optional[_Iterable[str]] = ..., error_codes: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class SpaceLeaseRequest(_message.Message):
+    __slots__ = ("size", "min_size", "replicas", "placement", "preferred_segment", "client_host_id")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MIN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    PREFERRED_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    min_size: int
+    replicas: int
+    placement: Placement
+    preferred_segment: str
+    client_host_id: str
+    def __init__(self, size: _Optional[int] = ..., min_size: _Optional[int] = ..., replicas: _Optional[int] = ..., placement: _Optional[_Union[Placement, str]] = ..., preferred_segment: _Optional[str] = ..., client_host_id: _Optional[str] = ...) -> None: ...
+
+class SpaceLeaseResponse(_message.Message):
+    __slots__ = ("lease_id", "size", "replicas", "ttl_ms", "align")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    ALIGN_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    size: int
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    ttl_ms: int
+    align: int
+    def __init__(self, lease_id: _Optional[int] = ..., size: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ..., ttl_ms: _Optional[int] = ..., align: _Optional[int] = ...) -> None: ...
+
+class CommitItem(_message.Message):
+    __slots__ = ("key", "offset", "size", "checksum")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    offset: int
+    size: int
+    checksum: int
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class PutCommitRequest(_message.Message):
+    __slots__ = ("lease_id", "items", "release")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    items: _containers.RepeatedCompositeFieldContainer[CommitItem]
+    release: bool
+    def __init__(self, lease_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[CommitItem, _Mapping]]] = ..., release: _Optional[bool] = ...) -> None: ...
+
+class PutCommitResponse(_message.Message):
+    __slots__ = ("errors", "error_codes")
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODES_FIELD_NUMBER: _ClassVar[int]
+    errors: _containers.RepeatedScalarFieldContainer[str]
+    error_codes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, errors: _Optional[_Iterable[str]] = ..., error_codes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SpaceReleaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: int
+    def __init__(self, lease_id: _Optional[int] = ...) -> None: ...
+
+class SpaceReleaseResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
 class GetReplicasRequest(_message.Message):
     __slots__ = ("keys", "lease_ms", "client_host_id")
     KEYS_FIELD_NUMBER: _ClassVar[int]

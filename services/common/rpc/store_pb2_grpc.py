@@ -79,6 +79,21 @@ class MasterStub:
                 request_serializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.BatchPutEndRequest.SerializeToString,
                 response_deserializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.BatchPutEndResponse.FromString,
                 _registered_method=True)
+        self.SpaceLease = channel.unary_unary(
+                '/mooncake.store.v1.Master/SpaceLease',
+                request_serializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.SpaceLeaseRequest.SerializeToString,
+                response_deserializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.SpaceLeaseResponse.FromString,
+                _registered_method=True)
+        self.PutCommit = channel.unary_unary(
+                '/mooncake.store.v1.Master/PutCommit',
+                request_serializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.PutCommitRequest.SerializeToString,
+                response_deserializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.PutCommitResponse.FromString,
+                _registered_method=True)
+        self.SpaceRelease = channel.unary_unary(
+                '/mooncake.store.v1.Master/SpaceRelease',
+                request_serializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.SpaceReleaseRequest.SerializeToString,
+                response_deserializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.SpaceReleaseResponse.FromString,
+                _registered_method=True)
         self.GetReplicas = channel.unary_unary(
                 '/mooncake.store.v1.Master/GetReplicas',
                 request_serializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.GetReplicasRequest.SerializeToString,
@@ -173,6 +188,24 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SpaceLease(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutCommit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SpaceRelease(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetReplicas(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -262,6 +295,21 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.BatchPutEnd,
                     request_deserializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.BatchPutEndRequest.FromString,
                     response_serializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.BatchPutEndResponse.SerializeToString,
+            ),
+            'SpaceLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.SpaceLease,
+                    request_deserializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.SpaceLeaseRequest.FromString,
+                    response_serializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.SpaceLeaseResponse.SerializeToString,
+            ),
+            'PutCommit': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutCommit,
+                    request_deserializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.PutCommitRequest.FromString,
+                    response_serializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.PutCommitResponse.SerializeToString,
+            ),
+            'SpaceRelease': grpc.unary_unary_rpc_method_handler(
+                    servicer.SpaceRelease,
+                    request_deserializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.SpaceReleaseRequest.FromString,
+                    response_serializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.SpaceReleaseResponse.SerializeToString,
             ),
             'GetReplicas': grpc.unary_unary_rpc_method_handler(
                     servicer.GetReplicas,
@@ -542,6 +590,87 @@ class Master:
             '/mooncake.store.v1.Master/BatchPutEnd',
             mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.BatchPutEndRequest.SerializeToString,
             mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.BatchPutEndResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SpaceLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mooncake.store.v1.Master/SpaceLease',
+            mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.SpaceLeaseRequest.SerializeToString,
+            mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.SpaceLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutCommit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mooncake.store.v1.Master/PutCommit',
+            mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.PutCommitRequest.SerializeToString,
+            mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.PutCommitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SpaceRelease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mooncake.store.v1.Master/SpaceRelease',
+            mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.SpaceReleaseRequest.SerializeToString,
+            mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.SpaceReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
