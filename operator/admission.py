@@ -64,10 +64,14 @@ def spec_errors(spec: Obj) -> list[str]:
                                      "spec.roles.conductor.service.annotations")
     errors += _rdma_errors(spec.get("rdma") or {})
     if spec.get("transferProtocol") == "rdma":
-        # The workers would refuse it at start and crash-loop: say so here instead.
-        errors.append("spec.transferProtocol: rdma has no data path in this release (RDMA is "
-                      "detected and reported, never used); use auto, which moves KV over "
-                      "shared memory and TCP")
+        # Still refused although an RDMA transport now exists: it is untested on hardware, and
+        # a cluster manifest is where production traffic is decided, so the operator does not
+        # deploy it. Pods on nodes without a device would also refuse it at start and
+        # crash-loop. Trying it stays possible by hand (`--transfer-protocol rdma`).
+        errors.append("spec.transferProtocol: rdma is not deployed by the operator in this "
+                      "release: the RDMA transport is untested on hardware (try it by hand "
+                      "with a worker's --transfer-protocol rdma); use auto, which moves KV "
+                      "over shared memory and TCP")
     errors += _size_errors(spec)
     return errors
 

@@ -52,8 +52,12 @@ def _pyverbs_devices() -> list[Record] | None:
         from pyverbs.device import Context, get_device_list  # type: ignore[import-not-found]
     except ImportError:
         return None
+    try:
+        found = get_device_list()
+    except Exception:  # pyverbs raises (PyverbsRDMAError) instead of listing no devices
+        found = []
     devices = []
-    for d in get_device_list():
+    for d in found:
         name = d.name.decode() if isinstance(d.name, bytes) else str(d.name)
         ports = []
         try:

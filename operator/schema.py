@@ -595,8 +595,10 @@ def cluster_spec_schema() -> Schema:
             "roles": _roles(),
             "rdma": _rdma(),
             "transferProtocol": string(
-                "How KV bytes move between pods: `auto` uses RDMA where the probe found a "
-                "device and TCP elsewhere; `rdma` and `tcp` force one.", default="auto",
+                "How KV bytes move between pods: `auto` uses shared memory within a pod's "
+                "host and TCP across hosts, never RDMA; `tcp` forces TCP. `rdma` is refused "
+                "by admission in this release: the RDMA transport is untested on hardware.",
+                default="auto",
                 enum=("auto", "rdma", "tcp")),
             "store": _store(),
             "slo": obj("Latency objectives the Conductor admits requests against (it rejects "

@@ -70,7 +70,10 @@ _worker_opts = [
     click.option("--revision", envvar="MOONCAKE_REVISION", default="", show_envvar=True,
                  help="Deployment revision; the Conductor pairs prefill and decode of one."),
     click.option("--transfer-protocol", envvar="MOONCAKE_TRANSFER_PROTOCOL", default="auto",
-                 show_default=True, show_envvar=True, type=click.Choice(["auto", "rdma", "tcp"])),
+                 show_default=True, show_envvar=True, type=click.Choice(["auto", "rdma", "tcp"]),
+                 help="auto: shared memory on one host, TCP across hosts (never RDMA). rdma: "
+                      "RDMA to every peer (UNTESTED on hardware; refused where no RDMA device "
+                      "and pyverbs exist). tcp: TCP only."),
     click.option("--store-replicas", envvar="MOONCAKE_STORE_REPLICAS", default=1,
                  show_default=True, show_envvar=True, type=click.IntRange(1, 8),
                  help="Copies of each KV block written to the pool (on distinct nodes): more "
@@ -146,14 +149,19 @@ def _worker(role: str, o: dict[str, Any], **extra: Any) -> None:
             raise click.UsageError(f"{bad} is set by the worker for --engine {kind}; use the "
                                    "worker's own option instead")
     if o["transfer_protocol"] == "rdma":
+        # Only ever by request: the RDMA transport is untested on hardware, so "auto" never
+        # picks it. Asked for where it cannot run: refuse now, with the reason, rather than
+        # move KV over TCP while the operator believes it is RDMA.
         from mooncake_k8s.transfer.rdma import detect_rdma
 
         found = detect_rdma()
-        raise click.UsageError(
-            "--transfer-protocol rdma: this release has no RDMA data path (RDMA devices are "
-            f"detected and reported, never used; here: {found.reason or 'devices found'}); "
-            "use auto (shared memory and TCP)")
-    transport = "tcp" if o["transfer_protocol"] == "tcp" else "auto"
+        if not found.available:
+            raise click.UsageError(
+                f"--transfer-protocol rdma: RDMA unavailable here ({found.reason}); use auto "
+                "(shared memory and TCP)")
+        click.echo("warning: --transfer-protocol rdma: the RDMA transport is untested on "
+                   "hardware", err=True)
+    transport = {"tcp": "tcp", "rdma": "rdma"}.get(o["transfer_protocol"], "auto")
     # Every writer in this worker, including an engine's plug-in in its child process, reads
     # the copies per block from here (`StoreClient`'s default).
     os.environ["MOONCAKE_STORE_REPLICAS"] = str(o["store_replicas"])

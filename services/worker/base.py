@@ -27,6 +27,7 @@ from mooncake_k8s.common.health import HealthServer, stop_requested
 from mooncake_k8s.common.rpc import serving_pb2 as pb
 from mooncake_k8s.common.rpcserver import start_server
 from mooncake_k8s.store.client import StoreClient
+from mooncake_k8s.transfer.rdma import RdmaInfoCollector
 from mooncake_k8s.worker.api import EngineInfo, open_engine
 
 if TYPE_CHECKING:
@@ -92,6 +93,8 @@ class Worker:
             registry=self.registry,
         )
         self.registry.register(_EngineCounters(self))
+        # mooncake_transfer_rdma_info: whether RDMA is unavailable, untested or in use here.
+        self.registry.register(RdmaInfoCollector(lambda: str(self.store.engine.transport)))
 
     # -- lifecycle -------------------------------------------------------------------------
 

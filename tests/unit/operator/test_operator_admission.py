@@ -89,9 +89,10 @@ INVALID: list[tuple[str, Obj | Callable[[Obj], None], str]] = [
     ("kubernetes-io-resource", _res("prefill", limits={"kubernetes.io/widget": 1}),
      "spec.roles.prefill.resources.limits[kubernetes.io/widget]: 'kubernetes.io/widget' is a "
      "kubernetes.io resource"),
-    ("rdma-protocol-without-data-path",
+    ("rdma-protocol-untested",
      {"transferProtocol": "rdma", "rdma": {"enabled": True}},
-     "spec.transferProtocol: rdma has no data path in this release"),
+     "spec.transferProtocol: rdma is not deployed by the operator in this release: the RDMA "
+     "transport is untested on hardware"),
     ("fractional-gpu", _res("decode", limits={"nvidia.com/gpu": "0.5"}),
      "spec.roles.decode.resources.limits[nvidia.com/gpu]: '0.5' must be an integer"),
     ("extended-request-not-limit", _res("store", {"example.com/fpga": 1},
