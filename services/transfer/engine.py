@@ -8,7 +8,8 @@ RDMA (`rdma_verbs`) is used only when asked for (`transport="rdma"`), never by "
 untested on hardware (see `rdma`). Asked for where `detect_rdma()` finds no device or no
 pyverbs, or where the device cannot be opened, the engine refuses at construction with the
 reason. With it, every peer is reached over RDMA; a peer that answers that it cannot serve RDMA
-is reached over TCP instead (logged once, `rdma_fallbacks()`) until `forget(peer)`.
+is reached as "auto" would reach it (shm on the same host, else TCP; logged once, counted by
+`rdma_fallbacks()`) until `forget(peer)`.
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ class TransferEngine:
                 log.warning("peer cannot serve RDMA, using TCP for it: %s", e,
                             extra={"peer": peer.node_id, "address": peer.address})
             raise _NoRdma() from e
-        except TransferRejected:
+        except (TransferRejected, InvalidArgument):  # the request's fault: the QP is fine
             raise
         except Exception:
             with self._lock:  # the next call reconnects

@@ -4,8 +4,8 @@ UNTESTED ON HARDWARE. No machine this was written on has an RDMA device, and non
 a soft-RoCE one, so this module has never moved a byte. What is tested: the pure rules it
 relies on (`rdma_plan`), the connect exchange on a real transfer server, that every pyverbs
 name and constructor used here exists with the arguments given (`PYVERBS_NAMES`,
-`build_send_wr`, `build_qp_attr`), and that nothing selects it unless asked for. The engine
-says so in its log and in `mooncake_transfer_rdma_info`.
+`build_send_wr`, `build_qp_attr`, `build_qp_init_attr`), and that nothing selects it unless
+asked for. The engine says so in its log and in `mooncake_transfer_rdma_info`.
 
 Server side (`RdmaResponder`, driven by `TransferServer`): on an authenticated connection's
 RDMA connect, every served segment is registered (once, cached) as a memory region with remote
@@ -159,6 +159,13 @@ def build_qp_attr(local_psn: int, remote: RdmaEndpoint, params: PathParams, *, p
     return attr
 
 
+def build_qp_init_attr(cq: Any, depth: int) -> Any:
+    """An RC queue pair's creation attributes: `depth` send requests, one SGE each, completions
+    only for signalled requests (all of ours are), a minimal receive queue (never used)."""
+    cap = pv_qp.QPCap(max_send_wr=depth, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
+    return pv_qp.QPInitAttr(qp_type=pv_enums.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap, sq_sig_all=0)
+
+
 def _name(raw: Any) -> str:
     return raw.decode() if isinstance(raw, bytes) else str(raw)
 
@@ -250,10 +257,7 @@ class VerbsDevice:
         """(queue pair, completion queue) for one peer, in RESET."""
         cq = pv_cq.CQ(self.ctx, depth + 1)
         try:
-            cap = pv_qp.QPCap(max_send_wr=depth, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
-            init = pv_qp.QPInitAttr(qp_type=pv_enums.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap,
-                                    sq_sig_all=0)
-            return pv_qp.QP(self.pd, init), cq
+            return pv_qp.QP(self.pd, build_qp_init_attr(cq, depth)), cq
         except BaseException:
             cq.close()
             raise
@@ -450,7 +454,8 @@ class RdmaTransport:
             self._drop()
             stage, self._stage = self._stage, None
             if self._stage_view is not None:
-                self._stage_view.release()
+                with contextlib.suppress(BufferError):
+                    self._stage_view.release()
                 self._stage_view = None
             if stage is not None:
                 with contextlib.suppress(Exception):

@@ -289,7 +289,8 @@ class TransferServer:
                 log.warning("transfer server: %s", self._rdma_problem)
             return self._rdma, self._rdma_problem
 
-    def _rdma_connect(self, rid: int, payload: bytes, peer: str, held: list[Any]) -> bytes:
+    def _rdma_connect(self, sock: socket.socket, rid: int, payload: bytes, peer: str,
+                      held: list[Any]) -> bytes:
         """The response to one RDMA connect (an error status keeps the connection)."""
         client = decode_rdma_endpoint(payload)  # malformed: ProtocolError closes the connection
         if held:
@@ -305,7 +306,13 @@ class TransferServer:
             return encode_error(ST_UNSUPPORTED, rid, f"RDMA setup failed at the peer: "
                                 f"{type(e).__name__}: {e}")
         held.append(served)
-        body = encode_rdma_endpoint(local)
+        try:
+            body = encode_rdma_endpoint(local)
+        except ValueError as e:  # more or larger regions than one endpoint may carry
+            return encode_error(ST_UNSUPPORTED, rid, f"RDMA setup failed at the peer: {e}")
+        # Its traffic now bypasses this socket: keepalives notice a peer that vanished.
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         log.info("RDMA queue pair served (untested on hardware)",
                  extra={"peer": peer, "regions": len(local.regions)})
         return RESPONSE.pack(RESP_MAGIC, ST_OK, rid, len(body)) + body
@@ -346,7 +353,7 @@ class TransferServer:
                     p = rd.fill(hsize + nlen)
                     rd.start = p + hsize + nlen
                     payload = rd.read_bytes(length)
-                    pending.append(self._rdma_connect(rid, payload, peer, held))
+                    pending.append(self._rdma_connect(sock, rid, payload, peer, held))
                     continue
             if length > 1 << 36 or off > 1 << 48:
                 decode_request_header(rd.buf, p)

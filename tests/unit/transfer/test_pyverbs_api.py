@@ -79,6 +79,12 @@ def test_work_request_built_as_posted() -> None:
     assert wr.send_flags == pv_enums.IBV_SEND_SIGNALED
 
 
+def test_queue_pair_creation_attributes() -> None:
+    init = rdma_verbs.build_qp_init_attr(None, 64)  # the CQ needs a device; None builds too
+    assert init.qp_type == pv_enums.IBV_QPT_RC and init.sq_sig_all == 0
+    assert (init.max_send_wr, init.max_send_sge, init.max_recv_wr) == (64, 1, 1)
+
+
 @pytest.mark.parametrize("is_global", [True, False])
 def test_qp_attributes_carry_the_peer_and_the_negotiated_path(is_global: bool) -> None:
     peer = fr.RdmaEndpoint(0x123, 0x456, 7, GID, 5, 16, 1 << 30)
