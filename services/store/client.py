@@ -65,6 +65,7 @@ from mooncake_k8s.store.masterlink import (
 )
 from mooncake_k8s.store.spacewriter import LEASE_BYTES, RETRY, SpaceWriter
 from mooncake_k8s.transfer import Peer, ReadOp, SegmentDesc, Tier, TransferEngine, WriteOp
+from mooncake_k8s.transfer.engine import TRANSPORTS
 
 _PLACEMENTS = {
     "local_first": pb.LOCAL_FIRST,
@@ -163,8 +164,8 @@ class StoreClient:
         replicas: int | None = None,
         space_lease_bytes: int = LEASE_BYTES,
     ) -> None:
-        if transport not in ("auto", "shm", "tcp"):
-            raise InvalidArgument(f"transport must be auto, shm or tcp, not {transport!r}")
+        if transport not in TRANSPORTS:
+            raise InvalidArgument(f"transport must be one of {TRANSPORTS}, not {transport!r}")
         if timeout_s <= 0 or not 0 < attempt_timeout_s <= timeout_s:
             raise InvalidArgument(
                 f"need 0 < attempt_timeout_s <= timeout_s, got {attempt_timeout_s} and {timeout_s}"

@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import select
 import socket
 import struct
 import threading
@@ -354,6 +355,12 @@ class FastPathClient:
         mid = METHOD_IDS[method]
         resp_type = METHODS[mid][2]
         sock: socket.socket | None = getattr(self._local, "sock", None)
+        if sock is not None and _hung_up(sock):
+            # The master closed this idle connection (it restarted, or failed over): nothing
+            # was sent on it, so a fresh connection may carry even a call that is not safe
+            # to repeat.
+            self._drop()
+            sock = None
         if sock is None:
             try:
                 sock = self._local.sock = self._connect(timeout)
@@ -389,6 +396,15 @@ class FastPathClient:
                     self._all.remove(sock)
             with contextlib.suppress(OSError):
                 sock.close()
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """Whether an idle connection's peer has closed it (or sent what nobody asked for)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return True
+    return bool(readable)
 
 
 def _recv(sock: socket.socket, n: int) -> bytearray:

@@ -33,6 +33,7 @@ from mooncake_k8s.common.netutil import local_host_id
 from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.store.masterlink import MasterLink
 from mooncake_k8s.transfer import Segment, Tier, TransferServer
+from mooncake_k8s.transfer.rdma import RdmaInfoCollector
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,7 @@ class StorageNode:
         self.config = config
         self.registry = CollectorRegistry()
         self.metrics = _Metrics(self.registry)
+        self.registry.register(RdmaInfoCollector(lambda: "auto"))  # it serves; never rdma
         self.segments: dict[str, Segment] = {}
         self.inventory: dict[tuple[str, int], tuple[str, _Item]] = {}
         self._used: dict[str, int] = {}  # bytes per segment held by the inventory

@@ -115,20 +115,20 @@ class SpaceWriter:
         written = self._write_all(ext, views, offsets, results)
         items = [pb.CommitItem(key=keys[i], offset=offsets[i], size=sizes[i], checksum=s)
                  for i, s in written]
-        with ext.lock:
-            ext.inflight -= 1
-            last = ext.retired and ext.inflight == 0 and ext.cursor < ext.size
-        if not items and not last:
-            return results
-        sent = time.monotonic()
         try:
-            resp = self._call("PutCommit", pb.PutCommitRequest(
-                lease_id=ext.lease_id, items=items, release=last))
-        except StoreError as e:
-            for i, _ in written:
-                results[i] = StoreError(f"publishing {keys[i]!r}: {e}")
-            self._retire(shape, ext)
-            return results
+            if not items:
+                return results
+            sent = time.monotonic()
+            try:
+                resp = self._call("PutCommit", pb.PutCommitRequest(
+                    lease_id=ext.lease_id, items=items))
+            except StoreError as e:
+                for i, _ in written:
+                    results[i] = StoreError(f"publishing {keys[i]!r}: {e}")
+                self._retire(shape, ext)
+                return results
+        finally:
+            self._done(ext)
         ext.valid_until = max(ext.valid_until, sent + _USE_SHARE * ext.ttl_s)
         for (i, _), msg, code in zip(written, resp.errors, resp.error_codes, strict=False):
             if not msg:
@@ -219,6 +219,16 @@ class SpaceWriter:
             valid_until=sent + _USE_SHARE * ttl,
         )
 
+    def _done(self, ext: _Extent) -> None:
+        """A put carved from `ext` has committed (or failed): the last one of a retired
+        extent frees its rest. Never earlier: a put still writing into it would race a
+        release, and the freed space may go to another writer at once."""
+        with ext.lock:
+            ext.inflight -= 1
+            last = ext.retired and ext.inflight == 0
+        if last:
+            self._release_later(ext)
+
     def _retire(self, shape: Shape, ext: _Extent) -> None:
         with self._lock:
             self._retire_locked(shape, ext)
@@ -232,16 +242,29 @@ class SpaceWriter:
                 return
             ext.retired = True
             idle = ext.inflight == 0
-        if idle and ext.cursor < ext.size:  # a used-up extent has nothing left to free
-            self._release(ext)
+        if idle:
+            self._release_later(ext)
+
+    def _release_later(self, ext: _Extent) -> None:
+        """SpaceRelease off the put's path (a used-up extent has nothing left to free: the
+        master forgets it at expiry)."""
+        if ext.cursor < ext.size:
+            threading.Thread(target=self._release, args=(ext,), daemon=True,
+                             name="space-release").start()
 
     def _release(self, ext: _Extent) -> None:
         with contextlib.suppress(StoreError):  # the master frees it at expiry anyway
             self._call("SpaceRelease", pb.SpaceReleaseRequest(lease_id=ext.lease_id))
 
     def close(self) -> None:
-        """Release every extent (best effort)."""
+        """Release every extent no put is writing into (best effort, before the client's
+        connections close; the master frees the others at expiry)."""
         with self._lock:
-            extents = list(self._extents.items())
-        for shape, ext in extents:
-            self._retire(shape, ext)
+            extents = list(self._extents.values())
+            self._extents.clear()
+        for ext in extents:
+            with ext.lock:
+                ext.retired = True
+                idle = ext.inflight == 0
+            if idle and ext.cursor < ext.size:
+                self._release(ext)

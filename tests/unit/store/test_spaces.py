@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import pytest
-
-from mooncake_k8s.common.errors import InvalidArgument, NoSpace
-from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.store.allocator import ALIGN
-from mooncake_k8s.store.metadata import MasterState
-
 from test_metadata import (  # type: ignore[import-not-found]  # (tests/unit/store/)
-    KiB,
     Clock,
+    KiB,
     drain,
     found,
     make,
     node,
     used,
 )
+
+from mooncake_k8s.common.errors import InvalidArgument, NoSpace
+from mooncake_k8s.common.rpc import store_pb2 as pb
+from mooncake_k8s.store.allocator import ALIGN
+from mooncake_k8s.store.metadata import MasterState
 
 MiB = 1 << 20
 CMD = pb.NodeCommand
