@@ -29,12 +29,10 @@ is still verified on every read.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -42,29 +40,34 @@ import grpc
 from mooncake_k8s.common import auth
 from mooncake_k8s.common.buffers import byte_view
 from mooncake_k8s.common.errors import (
-    AuthError,
     BufferTooSmall,
     InvalidArgument,
-    MasterUnavailable,
-    NoSpace,
     ObjectExists,
     ObjectNotFound,
-    ObjectTooLarge,
     StoreError,
     TransferError,
 )
 from mooncake_k8s.common.netutil import local_host_id
 from mooncake_k8s.common.rpc import store_pb2 as pb
+from mooncake_k8s.store.answers import (
+    ObjectInfo,
+    default_replicas,
+    end_error,
+    located,
+    location,
+    retryable,
+    rpc_error,
+    start_error,
+)
 from mooncake_k8s.store.failover import PeerHealth
 from mooncake_k8s.store.masterlink import (
     LEADER_KEY,
-    RECOVERING_KEY,
     STANDBY_KEY,
     MasterLink,
     trailers_of,
 )
 from mooncake_k8s.store.spacewriter import LEASE_BYTES, RETRY, SpaceWriter
-from mooncake_k8s.transfer import Peer, ReadOp, SegmentDesc, Tier, TransferEngine, WriteOp
+from mooncake_k8s.transfer import Peer, ReadOp, Tier, TransferEngine, WriteOp
 from mooncake_k8s.transfer.engine import TRANSPORTS
 
 _PLACEMENTS = {
@@ -72,60 +75,7 @@ _PLACEMENTS = {
     "preferred": pb.PREFERRED,
     "most_free": pb.MOST_FREE,
 }
-_TIERS = {pb.DRAM: Tier.DRAM, pb.SSD: Tier.SSD}
 _MAX_MSG = 64 << 20
-_SAFE_TO_RETRY = frozenset({"GetReplicas", "Exists", "Stats", "Pin", "ReleaseLease"})
-"""Calls that change nothing a second attempt could trip over; others are retried only when
-the master said it did nothing (the recovering trailer)."""
-
-
-@dataclass(frozen=True)
-class Location:
-    """Where one replica's bytes are: enough for the transfer engine to read them."""
-
-    peer: Peer
-    segment: SegmentDesc
-    offset: int
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    size: int
-    checksum: int
-    replicas: tuple[Location, ...]
-
-
-def _location(r: pb.Replica) -> Location:
-    return Location(
-        Peer(r.node_id, r.address, r.host_id),
-        SegmentDesc(r.segment, _TIERS.get(r.tier, Tier.DRAM), r.segment_size, r.segment_path),
-        r.offset,
-    )
-
-
-def _located(r: pb.Replica) -> tuple[Peer, SegmentDesc, int]:
-    loc = _location(r)
-    return loc.peer, loc.segment, loc.offset
-
-
-def _rpc_error(e: grpc.RpcError, what: str) -> StoreError | InvalidArgument | AuthError:
-    """Turn a master status into this project's exception types, keeping the master's message."""
-    code = e.code()
-    detail = e.details() or ""
-    msg = f"{what}: {detail}" if detail else what
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return ObjectTooLarge(msg) if "too large" in detail.lower() else InvalidArgument(msg)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return NoSpace(msg)
-    if code == grpc.StatusCode.UNAUTHENTICATED:
-        return AuthError(msg)
-    if code == grpc.StatusCode.ALREADY_EXISTS:
-        return ObjectExists(msg)
-    if code == grpc.StatusCode.NOT_FOUND:
-        return ObjectNotFound(msg)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return MasterUnavailable(msg)
-    return StoreError(msg)
 
 
 class StoreClient:
@@ -201,7 +151,7 @@ class StoreClient:
             transport=transport, timeout_s=timeout_s, io_timeout_s=attempt_timeout_s,
         )
         self._spaces = SpaceWriter(
-            self._call, self._write_checksummed, _located, self._host_id, space_lease_bytes)
+            self._call, self._write_checksummed, located, self._host_id, space_lease_bytes)
 
     def close(self) -> None:
         self._spaces.close()
@@ -314,7 +264,7 @@ class StoreClient:
         pending: list[int] = []
         for i, res in enumerate(starts):
             if res.error:
-                results[i] = _start_error(keys[i], res.error_code, res.error)
+                results[i] = start_error(keys[i], res.error_code, res.error)
                 continue
             if res.ok.exists:
                 how = "is being written by another client" if res.ok.in_progress else (
@@ -323,7 +273,7 @@ class StoreClient:
                 continue
             pending.append(i)
             for r in res.ok.replicas:
-                loc = _location(r)
+                loc = location(r)
                 entry = by_peer.setdefault(loc.peer.address, (loc.peer, []))
                 entry[1].append((i, WriteOp(loc.segment, loc.offset, views[i])))
         sums: dict[int, int] = {}
@@ -359,7 +309,7 @@ class StoreClient:
                     resp = self._call("BatchPutEnd", batch)
                     codes = list(resp.error_codes) or [""] * len(resp.errors)
                     errors = [
-                        _end_error(keys[i], code, msg) if msg else None
+                        end_error(keys[i], code, msg) if msg else None
                         for i, msg, code in zip(written, resp.errors, codes, strict=False)
                     ]
             except ObjectExists as e:  # another put of the key ended first: it is stored
@@ -506,7 +456,7 @@ class StoreClient:
             if not obj.found:
                 continue
             locs = sorted(
-                (_location(r) for r in obj.replicas),
+                (location(r) for r in obj.replicas),
                 key=lambda loc: (loc.peer.host_id != self._host_id, loc.segment.tier != Tier.DRAM),
             )
             info = ObjectInfo(obj.size, obj.checksum, tuple(locs))
@@ -567,45 +517,12 @@ class StoreClient:
             if e.code() != grpc.StatusCode.CANCELLED:
                 t = trailers_of(e)
                 self._link.failed(addr, t.get(LEADER_KEY, "") if STANDBY_KEY in t else "")
-                raise _rpc_error(e, "Watch") from e
+                raise rpc_error(e, "Watch") from e
 
     def _call(self, method: str, request: Any) -> Any:
         """One master call, retried on UNAVAILABLE where that is safe (module docstring), and
         sent to whichever master leads (`masterlink`)."""
         try:
-            return self._link.call(method, request, self._timeout, _retryable)
+            return self._link.call(method, request, self._timeout, retryable)
         except grpc.RpcError as e:
-            raise _rpc_error(e, method) from e
-
-
-def default_replicas() -> int:
-    """MOONCAKE_STORE_REPLICAS, or 1; InvalidArgument names the variable when it is bad."""
-    raw = os.environ.get("MOONCAKE_STORE_REPLICAS", "").strip() or "1"
-    if not raw.isdigit() or not 1 <= int(raw) <= 8:
-        raise InvalidArgument(f"MOONCAKE_STORE_REPLICAS must be an integer 1..8, not {raw!r}")
-    return int(raw)
-
-
-def _retryable(e: grpc.RpcError, method: str) -> bool:
-    if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return False
-    if method in _SAFE_TO_RETRY:
-        return True
-    return RECOVERING_KEY in trailers_of(e)
-
-
-def _end_error(key: str, code: str, message: str) -> StoreError:
-    if code == "EXISTS":
-        return ObjectExists(f"put {key!r}: {message}")
-    return StoreError(f"publishing {key!r}: {message}")
-
-
-def _start_error(key: str, code: str, message: str) -> StoreError | InvalidArgument:
-    text = f"put {key!r}: {message}"
-    if code == "NO_SPACE":
-        return NoSpace(text)
-    if code == "TOO_LARGE":
-        return ObjectTooLarge(text)
-    if code == "INVALID":
-        return InvalidArgument(text)
-    return StoreError(text)
+            raise rpc_error(e, method) from e
