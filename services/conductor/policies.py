@@ -31,6 +31,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from operator import add, attrgetter
 from typing import TYPE_CHECKING
 
 from mooncake_k8s.conductor.admission import (
@@ -144,6 +145,8 @@ class Scheduler:
         self._rr_prefill = 0
         self._rr_decode = 0
         self._policy = config.policy
+        self._memo: dict[tuple[int, int, int, int, int, bool], tuple[float, int]] = {}
+        self._memo_model: CostModel | None = None
 
     # -- pieces ----------------------------------------------------------------------------
 
@@ -172,6 +175,33 @@ class Scheduler:
                    + m.transfer_ms("ssd", c_all - c_dram) + m.prefill_ms(prompt - c_all, c_all))
         return (fetched, g - local) if fetched < own else (own, 0)
 
+    def _costs(self, lengths: set[int], match: Match, prompt: int,
+               glob: bool) -> dict[int, tuple[float, int]]:
+        """(ms, blocks fetched) per distinct local prefix length among the candidates.
+
+        Memoised: the candidates share a handful of lengths, and consecutive prompts the same
+        few (length, match, prompt) combinations, so most decisions evaluate no cost model at
+        all. The memo is dropped when the model or the block size changes, and when it grows
+        past `_COSTS_MEMO` entries."""
+        memo = self._memo
+        bt = self.block_tokens
+        if self._memo_model is not self.model:
+            memo.clear()
+            self._memo_model = self.model
+        g, dram = match.global_blocks, match.dram_blocks
+        out: dict[int, tuple[float, int]] = {}
+        for li in lengths:
+            key = (li, g, dram, prompt, bt, glob)
+            c = memo.get(key)
+            if c is None:
+                c = (self._cost_global(li, match, prompt) if glob
+                     else (self._cost_local(li, prompt), 0))
+                if len(memo) >= _COSTS_MEMO:
+                    memo.clear()
+                memo[key] = c
+            out[li] = c
+        return out
+
     # -- the decision ----------------------------------------------------------------------
 
     def decide(self, demand: Demand, prefills: Sequence[PrefillView],
@@ -195,19 +225,15 @@ class Scheduler:
             pi = min(range(len(prefills)), key=lambda i: prefills[i].queue_ms)
             ttft = prefills[pi].queue_ms + self._cost_local(local[pi], prompt)
         else:
-            glob = policy == "global_cache_aware"
-            costs: dict[int, tuple[float, int]] = {}
-            for li in set(local):
-                costs[li] = (self._cost_global(li, match, prompt) if glob
-                             else (self._cost_local(li, prompt), 0))
+            costs = self._costs(set(local), match, prompt, policy == "global_cache_aware")
+            queues = list(map(_queue_ms, prefills))
             if len(costs) == 1:
                 (only,) = costs.values()
-                queues = [p.queue_ms for p in prefills]
                 pi = queues.index(min(queues))
                 ttft = queues[pi] + only[0]
             else:
-                totals = [p.queue_ms + costs[li][0]
-                          for p, li in zip(prefills, local, strict=True)]
+                ms = {li: c[0] for li, c in costs.items()}
+                totals = list(map(add, queues, map(ms.__getitem__, local)))
                 ttft = min(totals)
                 pi = totals.index(ttft)
             fetch = costs[local[pi]][1]
@@ -246,31 +272,49 @@ class Scheduler:
             # step time; the rest is the same for every instance), then look exactly at the
             # winner: an exact prediction for every instance would cost a bisection each.
             led = self.ledger
-            led.ensure(max(d.slot for d in decodes) + 1)
             dm = self.model.decode
-            ps, pc, dcap = dm.per_seq_ms, dm.per_ctx_token_ms, dm.kv_capacity_tokens
-            seqs, toks = led.seqs, led.tokens
-            best = math.inf
-            di = 0
-            for i, d in enumerate(decodes):
-                s = seqs[d.slot]
-                if d.running > s:
-                    s = d.running
-                t = toks[d.slot]
-                if d.kv_used_tokens > t:
-                    t = d.kv_used_tokens
-                cap = d.kv_capacity_tokens or dcap
-                v = ps * s + pc * t
-                if cap and t + need > cap:
-                    v += 1e18  # full: only if every instance is
-                if v < best:
-                    best, di = v, i
+            try:
+                di = _least_loaded(decodes, led.seqs, led.tokens, dm.per_seq_ms,
+                                   dm.per_ctx_token_ms, dm.kv_capacity_tokens, need)
+            except IndexError:  # a slot the ledger has not seen yet
+                led.ensure(max(d.slot for d in decodes) + 1)
+                di = _least_loaded(decodes, led.seqs, led.tokens, dm.per_seq_ms,
+                                   dm.per_ctx_token_ms, dm.kv_capacity_tokens, need)
         n_seqs, n_toks, cap = self._state(decodes[di], arrive_ms)
         fits = not cap or n_toks + need <= cap
         tbt = step(n_seqs + 1, n_toks + need)
         clears = self.ledger.next_finish(decodes[di].slot) - arrive_ms
         return di, tbt, fits, max(0.0, clears)
 
+
+_queue_ms = attrgetter("queue_ms")
+_COSTS_MEMO = 4096
+
+
+def _least_loaded(decodes: Sequence[DecodeView], seqs: list[int], toks: list[int], ps: float,
+                  pc: float, dcap: int, need: int) -> int:
+    """Index of the decode instance with the least step-time load (ranked by the ledger's
+    current totals or the instance's report, whichever is larger: the batch-size and context
+    terms of the step time; the rest is the same for every instance). A full instance is
+    chosen only if every instance is full; ties go to the first. Raises IndexError for a slot
+    beyond the ledger."""
+    best = math.inf
+    di = 0
+    for i, d in enumerate(decodes):
+        slot = d.slot
+        s = seqs[slot]
+        if d.running > s:
+            s = d.running
+        t = toks[slot]
+        if d.kv_used_tokens > t:
+            t = d.kv_used_tokens
+        cap = d.kv_capacity_tokens or dcap
+        v = ps * s + pc * t
+        if cap and t + need > cap:
+            v += 1e18  # full: only if every instance is
+        if v < best:
+            best, di = v, i
+    return di
 
 
 class MooncakeRouter:
