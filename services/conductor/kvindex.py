@@ -29,7 +29,6 @@ from bisect import bisect_right
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, compress, repeat, takewhile
-from operator import and_
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -200,7 +199,7 @@ class KVIndex:
             held = list(map((~ssd).__and__, hs))
             if 0 in held:
                 dram = held.index(0)
-        acc = list(accumulate(hs, and_))
+        acc = list(accumulate(hs, int.__and__))
         first = acc[0]
         last = acc[-1]
         # Candidates holding block 0 (any other has a local prefix of 0), found at C speed.

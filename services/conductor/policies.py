@@ -31,7 +31,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from operator import add, attrgetter
 from typing import TYPE_CHECKING
 
 from mooncake_k8s.conductor.admission import (
@@ -226,14 +225,14 @@ class Scheduler:
             ttft = prefills[pi].queue_ms + self._cost_local(local[pi], prompt)
         else:
             costs = self._costs(set(local), match, prompt, policy == "global_cache_aware")
-            queues = list(map(_queue_ms, prefills))
+            queues = [p.queue_ms for p in prefills]
             if len(costs) == 1:
                 (only,) = costs.values()
                 pi = queues.index(min(queues))
                 ttft = queues[pi] + only[0]
             else:
                 ms = {li: c[0] for li, c in costs.items()}
-                totals = list(map(add, queues, map(ms.__getitem__, local)))
+                totals = [q + c for q, c in zip(queues, map(ms.__getitem__, local), strict=True)]
                 ttft = min(totals)
                 pi = totals.index(ttft)
             fetch = costs[local[pi]][1]
@@ -287,7 +286,6 @@ class Scheduler:
         return di, tbt, fits, max(0.0, clears)
 
 
-_queue_ms = attrgetter("queue_ms")
 _COSTS_MEMO = 4096
 
 
