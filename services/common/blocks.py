@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -114,12 +116,24 @@ def sglang_chain_seed(cache_salt: str | None) -> bytes | None:
 
 
 def _packed(token_ids: Sequence[int] | np.ndarray) -> tuple[bytes, int]:
+    """Little-endian uint32 token ids, and how many."""
+    if type(token_ids) in (list, tuple) and _NATIVE_U32:
+        # A list of Python ints (every tokenizer's output) packs about 5x faster through
+        # array than through numpy, and array checks the same range. Anything it refuses
+        # (floats, nested lists, out-of-range ids) takes numpy's path below, which says why.
+        try:
+            return array("I", token_ids).tobytes(), len(token_ids)
+        except (TypeError, OverflowError, ValueError):
+            pass
     tokens = np.asarray(token_ids, dtype=np.int64)
     if tokens.ndim != 1:
         raise InvalidArgument("token_ids must be one-dimensional")
     if tokens.size and (tokens.min() < 0 or tokens.max() > 0xFFFFFFFF):
         raise InvalidArgument("token ids must be in [0, 2**32)")
     return tokens.astype("<u4").tobytes(), int(tokens.size)
+
+
+_NATIVE_U32 = array("I").itemsize == 4 and sys.byteorder == "little"
 
 
 def _sglang_keys(namespace: KeyNamespace, token_ids: Sequence[int] | np.ndarray) -> list[str]:
@@ -150,20 +164,19 @@ def block_keys(
         if parent is not None:
             raise InvalidArgument("SGLang page keys do not continue a chain from a parent")
         return _sglang_keys(namespace, token_ids)
-    bt = namespace.block_tokens
     packed, _ = _packed(token_ids)
-    tokens_n = len(packed) // 4
-    ns = namespace.digest()
+    step = namespace.block_tokens * 4
+    # The namespace is the same first input to every block's hash: absorb it once and copy
+    # the hasher's state per block (about half the cost of a fresh, parameterised hasher).
+    seeded = hashlib.blake2b(namespace.digest(), digest_size=KEY_BYTES, person=b"mooncake-blk")
     prev = bytes.fromhex(parent) if parent else b"\x00" * KEY_BYTES
-    keys: list[str] = []
-    step = bt * 4
-    for i in range(tokens_n // bt):
-        h = hashlib.blake2b(ns, digest_size=KEY_BYTES, person=b"mooncake-blk")
-        h.update(prev)
-        h.update(packed[i * step : (i + 1) * step])
+    digests: list[bytes] = []
+    for start in range(0, len(packed) - step + 1, step):
+        h = seeded.copy()
+        h.update(prev + packed[start : start + step])
         prev = h.digest()
-        keys.append(prev.hex())
-    return keys
+        digests.append(prev)
+    return [d.hex() for d in digests]
 
 
 @dataclass(frozen=True)
