@@ -25,10 +25,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from bisect import bisect_right
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate, compress, repeat, takewhile
+from itertools import compress, repeat, takewhile
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -192,28 +191,35 @@ class KVIndex:
         local = [0] * len(masks)
         if not g:
             return Match(0, 0, local)
+        # The distinct holder masks in order of first appearance (C speed; a prefix's blocks
+        # mostly share a few masks). The running AND of the masks can only change where a
+        # mask first appears, so it is computed over these few, not over every block.
+        distinct = list(dict.fromkeys(hs))
+        first = distinct[0]
         dram = g
         ssd = self.ssd_mask
         if ssd:
-            # First block held only on SSD: the first zero of (holders AND NOT ssd).
-            held = list(map((~ssd).__and__, hs))
-            if 0 in held:
-                dram = held.index(0)
-        acc = list(accumulate(hs, int.__and__))
-        first = acc[0]
-        last = acc[-1]
+            # First block held only on SSD.
+            not_ssd = ~ssd
+            for m in distinct:
+                if not m & not_ssd:
+                    dram = hs.index(m)
+                    break
         # Candidates holding block 0 (any other has a local prefix of 0), found at C speed.
         holding = list(compress(range(len(masks)), map(first.__and__, masks)))
         if not holding:
             return Match(g, dram, local)
-        # Positions where the running AND changes. Bits only ever drop out, so the running
-        # AND is numerically non-increasing: each change is found by bisection.
+        # (position, running AND from there on) at each change of the running AND.
         cuts = [(0, first)]
-        p, a = 0, first
-        while a != last:
-            p = bisect_right(acc, -a, lo=p, key=int.__neg__)
-            a = acc[p]
-            cuts.append((p, a))
+        a = first
+        for m in distinct:
+            b = a & m
+            if b != a:
+                a = b
+                cuts.append((hs.index(m), a))
+                if not a:
+                    break
+        last = a
         for i in holding:
             m = masks[i]
             if m & last:

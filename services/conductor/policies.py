@@ -31,6 +31,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from itertools import compress
 from typing import TYPE_CHECKING
 
 from mooncake_k8s.conductor.admission import (
@@ -231,8 +232,17 @@ class Scheduler:
                 pi = queues.index(min(queues))
                 ttft = queues[pi] + only[0]
             else:
-                ms = {li: c[0] for li, c in costs.items()}
-                totals = [q + c for q, c in zip(queues, map(ms.__getitem__, local), strict=True)]
+                c0 = costs.get(0)
+                if c0 is None:
+                    ms = {li: c[0] for li, c in costs.items()}
+                    totals = [q + ms[li] for q, li in zip(queues, local, strict=True)]
+                else:
+                    # Most candidates hold nothing of the prompt: add their one cost in a
+                    # tight loop, then redo the few that hold a prefix (found at C speed).
+                    z = c0[0]
+                    totals = [q + z for q in queues]
+                    for i in compress(range(len(local)), local):
+                        totals[i] = queues[i] + costs[local[i]][0]
                 ttft = min(totals)
                 pi = totals.index(ttft)
             fetch = costs[local[pi]][1]
