@@ -19,7 +19,7 @@ from mooncake_k8s.common.errors import (
     StoreError,
 )
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.store.masterlink import RECOVERING_KEY, trailers_of
+from mooncake_k8s.store.masterlink import ERROR_KEY, RECOVERING_KEY, trailers_of
 from mooncake_k8s.transfer import Peer, SegmentDesc, Tier
 
 _TIERS = {pb.DRAM: Tier.DRAM, pb.SSD: Tier.SSD}
@@ -57,24 +57,44 @@ def located(r: pb.Replica) -> tuple[Peer, SegmentDesc, int]:
     return loc.peer, loc.segment, loc.offset
 
 
+_BY_CODE: dict[int, type[StoreError] | type[InvalidArgument]] = {
+    pb.ERROR_EXISTS: ObjectExists,
+    pb.ERROR_NOT_FOUND: ObjectNotFound,
+    pb.ERROR_TOO_LARGE: ObjectTooLarge,
+    pb.ERROR_NO_SPACE: NoSpace,
+    pb.ERROR_INVALID: InvalidArgument,
+    pb.ERROR_UNAVAILABLE: MasterUnavailable,
+}
+"""The exception each `ErrorCode` stands for (anything else is a plain StoreError)."""
+_BY_STATUS: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.INVALID_ARGUMENT: pb.ERROR_INVALID,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: pb.ERROR_NO_SPACE,
+    grpc.StatusCode.ALREADY_EXISTS: pb.ERROR_EXISTS,
+    grpc.StatusCode.NOT_FOUND: pb.ERROR_NOT_FOUND,
+    grpc.StatusCode.UNAVAILABLE: pb.ERROR_UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: pb.ERROR_UNAVAILABLE,
+}
+"""For a status without the `mooncake-error` trailer (gRPC's own errors, a lost connection)."""
+_NAMES = frozenset(pb.ErrorCode.keys())
+
+
+def code_error(code: int, msg: str) -> StoreError | InvalidArgument:
+    """The exception for an `ErrorCode`, with `msg`."""
+    return _BY_CODE.get(code, StoreError)(msg)
+
+
 def rpc_error(e: grpc.RpcError, what: str) -> StoreError | InvalidArgument | AuthError:
-    """Turn a master status into this project's exception types, keeping the master's message."""
-    code = e.code()
+    """Turn a master status into this project's exception types, keeping the master's message:
+    by the `ErrorCode` it named (`mooncake-error`), else by the status."""
+    status = e.code()
     detail = e.details() or ""
     msg = f"{what}: {detail}" if detail else what
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return ObjectTooLarge(msg) if "too large" in detail.lower() else InvalidArgument(msg)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return NoSpace(msg)
-    if code == grpc.StatusCode.UNAUTHENTICATED:
+    if status == grpc.StatusCode.UNAUTHENTICATED:
         return AuthError(msg)
-    if code == grpc.StatusCode.ALREADY_EXISTS:
-        return ObjectExists(msg)
-    if code == grpc.StatusCode.NOT_FOUND:
-        return ObjectNotFound(msg)
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return MasterUnavailable(msg)
-    return StoreError(msg)
+    named = trailers_of(e).get(ERROR_KEY, "")
+    code = pb.ErrorCode.Value(named) if named in _NAMES else _BY_STATUS.get(
+        status, pb.ERROR_INTERNAL)
+    return code_error(code, msg)
 
 
 def default_replicas() -> int:

@@ -39,6 +39,8 @@ STANDBY_KEY = "mooncake-standby"
 LEADER_KEY = "mooncake-leader"
 RECOVERING_KEY = "mooncake-recovering"
 FAST_PORT_KEY = "mooncake-fast-port"
+ERROR_KEY = "mooncake-error"
+"""Names the `ErrorCode` of a refused call (store.proto)."""
 _RETRY_FIRST_S = 0.02
 _RETRY_MAX_S = 0.25
 _FAST_OFF_S = 30.0

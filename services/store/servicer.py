@@ -33,6 +33,7 @@ from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.store.ha import JournalEntry
 from mooncake_k8s.store.masterlink import (
     EPOCH_KEY,
+    ERROR_KEY,
     FAST_PORT_KEY,
     LEADER_KEY,
     RECOVERING_KEY,
@@ -76,29 +77,37 @@ Trailers = tuple[tuple[str, str], ...]
 
 
 def status_of(e: Exception, method: str) -> tuple[grpc.StatusCode, str, Trailers]:
-    """The status, message and trailers a failed call answers; logs unexpected errors."""
-    code, msg = _status_of(e)
+    """The status, message and trailers (the `ErrorCode` among them) a failed call answers;
+    logs unexpected errors."""
+    code, msg, error = _status_of(e)
     if code == grpc.StatusCode.INTERNAL:
         log.error("rpc failed", exc_info=e, extra={"method": method})
-    return code, msg, e.trailers if isinstance(e, _Abort) else ()
+    trailers = e.trailers if isinstance(e, _Abort) else ()
+    return code, msg, ((ERROR_KEY, pb.ErrorCode.Name(error)), *trailers)  # type: ignore[arg-type]
 
 
-def _status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
+def _status_of(e: Exception) -> tuple[grpc.StatusCode, str, int]:
+    """(gRPC status, message, ErrorCode) of an exception: the one mapping of the master's
+    errors onto the wire."""
     if isinstance(e, _Abort):
-        return e.code, e.message
+        error = (pb.ERROR_UNAVAILABLE if e.code == grpc.StatusCode.UNAVAILABLE
+                 else pb.ERROR_INVALID if e.code == grpc.StatusCode.INVALID_ARGUMENT
+                 else pb.ERROR_INTERNAL)
+        return e.code, e.message, error
     if isinstance(e, ObjectTooLarge):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e), pb.ERROR_TOO_LARGE
     if isinstance(e, InvalidArgument):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e), pb.ERROR_INVALID
     if isinstance(e, NoSpace):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), pb.ERROR_NO_SPACE
     if isinstance(e, PutSuperseded):
-        return grpc.StatusCode.ALREADY_EXISTS, str(e)
+        return grpc.StatusCode.ALREADY_EXISTS, str(e), pb.ERROR_EXISTS
     if isinstance(e, PutNotFound | UnknownNode):
-        return grpc.StatusCode.NOT_FOUND, str(e)
+        return grpc.StatusCode.NOT_FOUND, str(e), pb.ERROR_NOT_FOUND
     if isinstance(e, StoreError):
-        return grpc.StatusCode.FAILED_PRECONDITION, str(e)
-    return grpc.StatusCode.INTERNAL, "internal error in the master (see its log)"
+        return grpc.StatusCode.FAILED_PRECONDITION, str(e), pb.ERROR_INTERNAL
+    return grpc.StatusCode.INTERNAL, "internal error in the master (see its log)", \
+        pb.ERROR_INTERNAL
 
 
 def _serialize(msg: Any) -> bytes:
@@ -463,7 +472,7 @@ class Handlers:
                     yield item
                 return
             except Exception as e:  # CancelledError (client gone) is not an Exception
-                code, msg = _status_of(e)
+                code, msg, _ = _status_of(e)
                 if isinstance(e, _Abort) and e.trailers:
                     ctx.set_trailing_metadata(e.trailers)
                 if code == grpc.StatusCode.INTERNAL:

@@ -155,14 +155,14 @@ class SpaceLeases:
     ) -> pb.PutCommitResponse:
         """Publish objects written into a leased extent; an error and a code per item."""
         errors: list[str] = []
-        codes: list[str] = []
+        codes: list[int] = []
         with self._op():
             lease = self._spaces.get(lease_id)
             if lease is None:
                 msg = (f"space lease {lease_id} is unknown: released, expired, its node "
                        "restarted, or the master changed; put again")
                 return pb.PutCommitResponse(errors=[msg] * len(items),
-                                            error_codes=["NOT_FOUND"] * len(items))
+                                            codes=[pb.ERROR_NOT_FOUND] * len(items))
             lease.deadline = self._now() + self.space_ttl_s
             self._spaces.move_to_end(lease_id)
             objects = self._objects
@@ -172,31 +172,31 @@ class SpaceLeases:
                 codes.append(code)
             if release:
                 self._end_space(lease)
-        return pb.PutCommitResponse(errors=errors, error_codes=codes)
+        return pb.PutCommitResponse(errors=errors, codes=codes)  # type: ignore[arg-type]
 
     def _commit_one(
         self, lease: SpaceLease, objects: dict[str, Obj], it: pb.CommitItem
-    ) -> tuple[str, str]:
+    ) -> tuple[str, int]:
         key, off, size = it.key, it.offset, it.size
         try:
             check_key(key)
         except InvalidArgument as e:
-            return str(e), "INVALID"
+            return str(e), pb.ERROR_INVALID
         if size < 1 or size > self.max_object_size:
-            return f"object {key!r}: size {size} is out of range", "INVALID"
+            return f"object {key!r}: size {size} is out of range", pb.ERROR_INVALID
         if off % ALIGN or off + size > lease.size:
             return (f"object {key!r}: range {off}+{size} is not an aligned part of the "
-                    f"{lease.size}-byte extent"), "INVALID"
+                    f"{lease.size}-byte extent"), pb.ERROR_INVALID
         if key in objects:
-            return f"object {key!r} already exists", "EXISTS"
+            return f"object {key!r} already exists", pb.ERROR_EXISTS
         if not lease.claim(off, align_up(size)):
             return (f"object {key!r}: range {off}+{size} overlaps an object committed from "
-                    "this lease"), "INVALID"
+                    "this lease"), pb.ERROR_INVALID
         reps = [Rep(r.seg, r.offset + off) for r in lease.reps]
         for r in reps:
             r.seg.alloc.recount(1)
         self._publish(key, size, it.checksum, reps)
-        return "", ""
+        return "", pb.ERROR_NONE
 
     # -- end -----------------------------------------------------------------------------------
 

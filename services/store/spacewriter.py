@@ -29,12 +29,12 @@ from mooncake_k8s.common.errors import (
     InvalidArgument,
     MasterUnavailable,
     NoSpace,
-    ObjectExists,
     ObjectTooLarge,
     StoreError,
     TransferError,
 )
 from mooncake_k8s.common.rpc import store_pb2 as pb
+from mooncake_k8s.store.answers import code_error
 from mooncake_k8s.transfer import Peer, WriteOp
 
 RETRY = object()
@@ -130,18 +130,12 @@ class SpaceWriter:
         finally:
             self._done(ext)
         ext.valid_until = max(ext.valid_until, sent + _USE_SHARE * ext.ttl_s)
-        for (i, _), msg, code in zip(written, resp.errors, resp.error_codes, strict=False):
-            if not msg:
-                continue
-            if code == "NOT_FOUND":
+        for (i, _), msg, code in zip(written, resp.errors, resp.codes, strict=False):
+            if code == pb.ERROR_NOT_FOUND:
                 results[i] = RETRY
                 self._retire(shape, ext)
-            elif code == "EXISTS":
-                results[i] = ObjectExists(f"put {keys[i]!r}: {msg}")
-            elif code == "INVALID":
-                results[i] = InvalidArgument(f"put {keys[i]!r}: {msg}")
-            else:
-                results[i] = StoreError(f"publishing {keys[i]!r}: {msg}")
+            elif code != pb.ERROR_NONE:
+                results[i] = code_error(code, f"put {keys[i]!r}: {msg}")
         return results
 
     def _write_all(

@@ -13,6 +13,17 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DRAM: _ClassVar[Tier]
     SSD: _ClassVar[Tier]
 
+class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ERROR_NONE: _ClassVar[ErrorCode]
+    ERROR_EXISTS: _ClassVar[ErrorCode]
+    ERROR_NOT_FOUND: _ClassVar[ErrorCode]
+    ERROR_TOO_LARGE: _ClassVar[ErrorCode]
+    ERROR_NO_SPACE: _ClassVar[ErrorCode]
+    ERROR_INVALID: _ClassVar[ErrorCode]
+    ERROR_UNAVAILABLE: _ClassVar[ErrorCode]
+    ERROR_INTERNAL: _ClassVar[ErrorCode]
+
 class Placement(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PLACEMENT_UNSPECIFIED: _ClassVar[Placement]
@@ -22,6 +33,14 @@ class Placement(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 TIER_UNSPECIFIED: Tier
 DRAM: Tier
 SSD: Tier
+ERROR_NONE: ErrorCode
+ERROR_EXISTS: ErrorCode
+ERROR_NOT_FOUND: ErrorCode
+ERROR_TOO_LARGE: ErrorCode
+ERROR_NO_SPACE: ErrorCode
+ERROR_INVALID: ErrorCode
+ERROR_UNAVAILABLE: ErrorCode
+ERROR_INTERNAL: ErrorCode
 PLACEMENT_UNSPECIFIED: Placement
 LOCAL_FIRST: Placement
 PREFERRED: Placement
@@ -330,12 +349,12 @@ class PutCommitRequest(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., items: _Optional[_Iterable[_Union[CommitItem, _Mapping]]] = ..., release: _Optional[bool] = ...) -> None: ...
 
 class PutCommitResponse(_message.Message):
-    __slots__ = ("errors", "error_codes")
+    __slots__ = ("errors", "codes")
     ERRORS_FIELD_NUMBER: _ClassVar[int]
-    ERROR_CODES_FIELD_NUMBER: _ClassVar[int]
+    CODES_FIELD_NUMBER: _ClassVar[int]
     errors: _containers.RepeatedScalarFieldContainer[str]
-    error_codes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, errors: _Optional[_Iterable[str]] = ..., error_codes: _Optional[_Iterable[str]] = ...) -> None: ...
+    codes: _containers.RepeatedScalarFieldContainer[ErrorCode]
+    def __init__(self, errors: _Optional[_Iterable[str]] = ..., codes: _Optional[_Iterable[_Union[ErrorCode, str]]] = ...) -> None: ...
 
 class SpaceReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)

@@ -111,3 +111,28 @@ def test_big_and_most_free_puts_take_the_classic_path() -> None:
             nodes = {r.node_id for o in c._call("GetReplicas", pb.GetReplicasRequest(
                 keys=[f"spread{i}" for i in range(6)])).objects for r in o.replicas}
             assert nodes == {"a", "b"}
+
+
+def test_refusals_name_their_error_code_on_both_paths() -> None:
+    """One typed error enum on the wire: the `mooncake-error` trailer, not message text, decides
+    the client's exception (gRPC and the fast path alike)."""
+    from mooncake_k8s.common.errors import ObjectTooLarge
+    from mooncake_k8s.store.fastpath import FastPathClient, FastPathError
+    from mooncake_k8s.store.masterlink import ERROR_KEY, trailers_of
+
+    with StoreCluster() as cluster:
+        cluster.start_master()
+        cluster.start_node("a", "16MiB")
+        with cluster.client() as c:
+            with pytest.raises(ObjectTooLarge):
+                c.put("huge", b"x" * (17 * MiB))  # larger than any segment
+            c.put("small", b"x")  # a gRPC answer names the fast port
+            port = c._link._fast[cluster.master_address].port
+        fast = FastPathClient("127.0.0.1", port, cluster.token)
+        with pytest.raises(FastPathError) as e:
+            fast.call("PutStart", pb.PutStartRequest(key="big", size=1 << 40), 5)
+        assert trailers_of(e.value)[ERROR_KEY] == "ERROR_TOO_LARGE"
+        with pytest.raises(FastPathError) as e:
+            fast.call("PutEnd", pb.PutEndRequest(key="k", put_id=1, checksum=1), 5)
+        assert trailers_of(e.value)[ERROR_KEY] == "ERROR_NOT_FOUND"
+        fast.close()

@@ -78,7 +78,7 @@ def test_commit_with_release_ends_the_lease(clock: Clock) -> None:
     assert st.counters()["space_leases"] == 0
     assert used(st, "a-dram-0") == KiB
     again = st.put_commit(lease.lease_id, [item("j", 2 * KiB)])
-    assert list(again.error_codes) == ["NOT_FOUND"]
+    assert list(again.codes) == [pb.ERROR_NOT_FOUND]
 
 
 def test_bad_commits_are_refused_one_by_one(clock: Clock) -> None:
@@ -95,13 +95,13 @@ def test_bad_commits_are_refused_one_by_one(clock: Clock) -> None:
         item("", 5 * KiB),
         item("ok2", 6 * KiB),
     ])
-    assert list(resp.error_codes) == ["", "INVALID", "INVALID", "INVALID", "INVALID", "INVALID",
-                                      ""]
+    bad = pb.ERROR_INVALID
+    assert list(resp.codes) == [pb.ERROR_NONE, bad, bad, bad, bad, bad, pb.ERROR_NONE]
     assert "overlaps" in resp.errors[1] and "aligned part" in resp.errors[2]
     assert found(st, ["ok", "overlap", "ok2"]) == [True, False, True]
     # A committed range stays taken even after its object is gone: no second object there.
     st.remove(["ok"], force=True)
-    assert list(st.put_commit(lease.lease_id, [item("again", 0)]).error_codes) == ["INVALID"]
+    assert list(st.put_commit(lease.lease_id, [item("again", 0)]).codes) == [pb.ERROR_INVALID]
 
 
 def test_existing_key_is_refused_and_its_range_freed_at_the_end(clock: Clock) -> None:
@@ -111,7 +111,7 @@ def test_existing_key_is_refused_and_its_range_freed_at_the_end(clock: Clock) ->
     st.put_commit(first.lease_id, [item("k", 0, KiB, 1)], release=True)
     second = st.lease_space(16 * KiB, KiB)
     resp = st.put_commit(second.lease_id, [item("k", 0, KiB, 2)], release=True)
-    assert list(resp.error_codes) == ["EXISTS"]
+    assert list(resp.codes) == [pb.ERROR_EXISTS]
     assert st.get_replicas(["k"]).response().objects[0].checksum == 1
     assert used(st, "a-dram-0") == KiB
     alloc_of(st, "a-dram-0").check()
@@ -121,7 +121,7 @@ def test_unknown_lease_is_not_found_for_every_item(clock: Clock) -> None:
     st = make(clock)
     node(st, "a", dram=8 * MiB)
     resp = st.put_commit(12345, [item("a", 0), item("b", KiB)])
-    assert list(resp.error_codes) == ["NOT_FOUND", "NOT_FOUND"]
+    assert list(resp.codes) == [pb.ERROR_NOT_FOUND] * 2
     assert "put again" in resp.errors[0]
 
 
@@ -138,7 +138,7 @@ def test_idle_lease_expires_and_use_keeps_it(clock: Clock) -> None:
     st.tick()
     assert st.counters()["space_leases"] == 0
     assert used(st, "a-dram-0") == KiB
-    assert list(st.put_commit(lease.lease_id, [item("j", KiB)]).error_codes) == ["NOT_FOUND"]
+    assert list(st.put_commit(lease.lease_id, [item("j", KiB)]).codes) == [pb.ERROR_NOT_FOUND]
 
 
 def test_node_restart_cancels_its_leases_and_frees_other_replicas_gaps(clock: Clock) -> None:
@@ -152,7 +152,7 @@ def test_node_restart_cancels_its_leases_and_frees_other_replicas_gaps(clock: Cl
     # a restarts empty (new incarnation, nothing in its inventory)
     st.register_node("a", "127.0.0.1:7001", "h0", a_seg, [], "inc-2")
     assert st.counters()["space_leases"] == 0
-    assert list(st.put_commit(lease.lease_id, [item("j", KiB)]).error_codes) == ["NOT_FOUND"]
+    assert list(st.put_commit(lease.lease_id, [item("j", KiB)]).codes) == [pb.ERROR_NOT_FOUND]
     assert used(st, "b-dram-0") == KiB  # only k's replica on b is left
     alloc_of(st, "b-dram-0").check()
     alloc_of(st, "a-dram-0").check()
