@@ -137,15 +137,32 @@ class DecodeLedger:
     def __init__(self) -> None:
         self.seqs: list[int] = []
         self.tokens: list[int] = []
+        self.load: list[float] = []
+        """Per slot, `per_seq * seqs + per_token * tokens` with the weights of `weigh`: the
+        decode step-time terms the scheduler ranks instances by, kept current here so that a
+        decision reads them instead of computing them for every instance."""
+        self.weights: tuple[float, float] = (0.0, 0.0)
         self._finish: list[list[float]] = []
         self._tok: list[list[int]] = []
         self._heap: list[tuple[float, int, int, int]] = []
         self._ids = itertools.count()
 
+    def weigh(self, per_seq: float, per_token: float) -> None:
+        """Set the weights of `load` (the cost model's, as floats) and recompute it."""
+        self.weights = (float(per_seq), float(per_token))
+        per_seq, per_token = self.weights
+        self.load = [per_seq * s + per_token * t
+                     for s, t in zip(self.seqs, self.tokens, strict=True)]
+
+    def _reload(self, slot: int) -> None:
+        ps, pt = self.weights
+        self.load[slot] = ps * self.seqs[slot] + pt * self.tokens[slot]
+
     def ensure(self, slots: int) -> None:
         while len(self.seqs) < slots:
             self.seqs.append(0)
             self.tokens.append(0)
+            self.load.append(self.weights[0] * 0 + self.weights[1] * 0)
             self._finish.append([])
             self._tok.append([])
 
@@ -153,6 +170,7 @@ class DecodeLedger:
         self.ensure(slot + 1)
         self.seqs[slot] += 1
         self.tokens[slot] += tokens
+        self._reload(slot)
         fin = self._finish[slot]
         i = bisect.bisect_right(fin, finish_ms)
         fin.insert(i, finish_ms)
@@ -172,6 +190,7 @@ class DecodeLedger:
             self.tokens[slot] -= sum(self._tok[slot][:k])
             del fin[:k]
             del self._tok[slot][:k]
+            self._reload(slot)
 
     def at(self, slot: int, t_ms: float) -> tuple[int, int]:
         """(sequences, reserved tokens) predicted at time t_ms."""
@@ -190,5 +209,6 @@ class DecodeLedger:
         """Drop a slot's bookkeeping (its instance left); heap entries expire harmlessly."""
         if slot < len(self.seqs):
             self.seqs[slot] = self.tokens[slot] = 0
+            self._reload(slot)
             self._finish[slot].clear()
             self._tok[slot].clear()

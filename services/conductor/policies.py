@@ -226,23 +226,23 @@ class Scheduler:
             ttft = prefills[pi].queue_ms + self._cost_local(local[pi], prompt)
         else:
             costs = self._costs(set(local), match, prompt, policy == "global_cache_aware")
-            queues = [p.queue_ms for p in prefills]
             if len(costs) == 1:
                 (only,) = costs.values()
+                queues = [p.queue_ms for p in prefills]
                 pi = queues.index(min(queues))
                 ttft = queues[pi] + only[0]
             else:
                 c0 = costs.get(0)
                 if c0 is None:
                     ms = {li: c[0] for li, c in costs.items()}
-                    totals = [q + ms[li] for q, li in zip(queues, local, strict=True)]
+                    totals = [p.queue_ms + ms[li] for p, li in zip(prefills, local, strict=True)]
                 else:
                     # Most candidates hold nothing of the prompt: add their one cost in a
                     # tight loop, then redo the few that hold a prefix (found at C speed).
                     z = c0[0]
-                    totals = [q + z for q in queues]
+                    totals = [p.queue_ms + z for p in prefills]
                     for i in compress(range(len(local)), local):
-                        totals[i] = queues[i] + costs[local[i]][0]
+                        totals[i] = prefills[i].queue_ms + costs[local[i]][0]
                 ttft = min(totals)
                 pi = totals.index(ttft)
             fetch = costs[local[pi]][1]
@@ -282,13 +282,13 @@ class Scheduler:
             # winner: an exact prediction for every instance would cost a bisection each.
             led = self.ledger
             dm = self.model.decode
+            if led.weights != (dm.per_seq_ms, dm.per_ctx_token_ms):
+                led.weigh(dm.per_seq_ms, dm.per_ctx_token_ms)
             try:
-                di = _least_loaded(decodes, led.seqs, led.tokens, dm.per_seq_ms,
-                                   dm.per_ctx_token_ms, dm.kv_capacity_tokens, need)
+                di = _least_loaded(decodes, led, dm.kv_capacity_tokens, need)
             except IndexError:  # a slot the ledger has not seen yet
                 led.ensure(max(d.slot for d in decodes) + 1)
-                di = _least_loaded(decodes, led.seqs, led.tokens, dm.per_seq_ms,
-                                   dm.per_ctx_token_ms, dm.kv_capacity_tokens, need)
+                di = _least_loaded(decodes, led, dm.kv_capacity_tokens, need)
         n_seqs, n_toks, cap = self._state(decodes[di], arrive_ms)
         fits = not cap or n_toks + need <= cap
         tbt = step(n_seqs + 1, n_toks + need)
@@ -299,16 +299,26 @@ class Scheduler:
 _COSTS_MEMO = 4096
 
 
-def _least_loaded(decodes: Sequence[DecodeView], seqs: list[int], toks: list[int], ps: float,
-                  pc: float, dcap: int, need: int) -> int:
-    """Index of the decode instance with the least step-time load (ranked by the ledger's
-    current totals or the instance's report, whichever is larger: the batch-size and context
+def _least_loaded(decodes: Sequence[DecodeView], ledger: DecodeLedger, dcap: int,
+                  need: int) -> int:
+    """Index of the decode instance with the least step-time load, ranked by the ledger's
+    current totals or the instance's report, whichever is larger (the batch-size and context
     terms of the step time; the rest is the same for every instance). A full instance is
     chosen only if every instance is full; ties go to the first. Raises IndexError for a slot
-    beyond the ledger."""
+    beyond the ledger.
+
+    The ledger's own load is a lower bound of each instance's (a report only raises it; the
+    weights are >= 0), so only the instances whose bound is within the load of the one with
+    the least bound can win: those are ranked exactly, in order; the rest are not looked at.
+    """
+    ps, pc = ledger.weights
+    seqs, toks = ledger.seqs, ledger.tokens
+    bounds = list(map(ledger.load.__getitem__, [d.slot for d in decodes]))
+    bar = _decode_load(decodes[bounds.index(min(bounds))], seqs, toks, ps, pc, dcap, need)
     best = math.inf
     di = 0
-    for i, d in enumerate(decodes):
+    for i in compress(range(len(bounds)), map(bar.__ge__, bounds)):
+        d = decodes[i]
         slot = d.slot
         s = seqs[slot]
         if d.running > s:
@@ -323,6 +333,17 @@ def _least_loaded(decodes: Sequence[DecodeView], seqs: list[int], toks: list[int
         if v < best:
             best, di = v, i
     return di
+
+
+def _decode_load(d: DecodeView, seqs: list[int], toks: list[int], ps: float, pc: float,
+                 dcap: int, need: int) -> float:
+    """One instance's rank in `_least_loaded` (the same arithmetic as its loop)."""
+    slot = d.slot
+    s = max(seqs[slot], d.running)
+    t = max(toks[slot], d.kv_used_tokens)
+    cap = d.kv_capacity_tokens or dcap
+    v = ps * s + pc * t
+    return v + 1e18 if cap and t + need > cap else v
 
 
 class MooncakeRouter:
