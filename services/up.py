@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mooncake_k8s.common.netutil import free_service_port
-from mooncake_k8s.store.testing import Proc
+from mooncake_k8s.common.procs import Proc
 from mooncake_k8s.supervise import RestartPolicy, Supervisor
 
 

@@ -16,7 +16,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,27 +24,8 @@ import numpy as np
 
 from mooncake_k8s.common.errors import StoreError
 from mooncake_k8s.common.netutil import free_port
+from mooncake_k8s.common.procs import Proc
 from mooncake_k8s.store.client import StoreClient
-
-
-@dataclass
-class Proc:
-    name: str
-    args: list[str]
-    popen: subprocess.Popen[bytes]
-    log_path: Path
-    metrics_port: int
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def metrics(self) -> str:
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return str(r.read().decode())
 
 
 def metric_value(text: str, name: str, labels: str = "") -> float:
