@@ -308,16 +308,24 @@ def _least_loaded(decodes: Sequence[DecodeView], ledger: DecodeLedger, dcap: int
     beyond the ledger.
 
     The ledger's own load is a lower bound of each instance's (a report only raises it; the
-    weights are >= 0), so only the instances whose bound is within the load of the one with
-    the least bound can win: those are ranked exactly, in order; the rest are not looked at.
+    weights are >= 0), so only the instances whose bound is within the load of the first one
+    with the least bound can win: those are ranked exactly, in order; the rest are not looked
+    at. When that first one's rank is its bound, it wins outright.
     """
     ps, pc = ledger.weights
     seqs, toks = ledger.seqs, ledger.tokens
     bounds = list(map(ledger.load.__getitem__, [d.slot for d in decodes]))
-    bar = _decode_load(decodes[bounds.index(min(bounds))], seqs, toks, ps, pc, dcap, need)
+    first = bounds.index(min(bounds))
+    bar = _decode_load(decodes[first], seqs, toks, ps, pc, dcap, need)
+    if bar == bounds[first]:
+        # Its rank is its bound, the least bound, and no instance before it has that bound:
+        # nothing can rank lower, and a tie goes to the first (the common case).
+        return first
     best = math.inf
     di = 0
     for i in compress(range(len(bounds)), map(bar.__ge__, bounds)):
+        if bounds[i] >= best:
+            continue  # cannot be strictly less than the best so far
         d = decodes[i]
         slot = d.slot
         s = seqs[slot]

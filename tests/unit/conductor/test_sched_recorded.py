@@ -16,11 +16,12 @@ Regenerate (only when a decision is meant to change, and say why in the commit):
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 from typing import Any
 
-from mooncake_k8s.conductor.admission import SLO, AdmissionConfig
+from mooncake_k8s.conductor.admission import SLO, AdmissionConfig, DecodeLedger
 from mooncake_k8s.conductor.costmodel import CostModel, Decode, Link, Prefill
 from mooncake_k8s.conductor.kvindex import SSD, KVIndex
 from mooncake_k8s.conductor.policies import (
@@ -31,6 +32,7 @@ from mooncake_k8s.conductor.policies import (
     PrefillView,
     Scheduler,
     SchedulerConfig,
+    _least_loaded,
 )
 
 RECORDING = Path(__file__).with_name("sched_decisions.json")
@@ -190,6 +192,41 @@ def test_the_recording_covers_the_edges() -> None:
     assert any(d[12] == 0 for d in flat)  # nothing cached anywhere
     assert any(d[13] < d[12] for d in flat)  # part of the prefix only on SSD
     assert any(0 < d[2] < d[12] for d in flat)  # a local prefix shorter than the pool's
+
+
+def _full_scan(decodes: list[DecodeView], ledger: DecodeLedger, ps: float, pc: float,
+               dcap: int, need: int) -> int:
+    """The decode ranking as it was: every instance, exactly, in order."""
+    best, di = math.inf, 0
+    for i, d in enumerate(decodes):
+        s = max(ledger.seqs[d.slot], d.running)
+        t = max(ledger.tokens[d.slot], d.kv_used_tokens)
+        cap = d.kv_capacity_tokens or dcap
+        v = ps * s + pc * t + (1e18 if cap and t + need > cap else 0.0)
+        if v < best:
+            best, di = v, i
+    return di
+
+
+def test_pruned_decode_ranking_matches_a_full_scan() -> None:
+    rng = random.Random(5)
+    for case in range(3000):
+        ledger = DecodeLedger()
+        ps, pc = rng.choice([(0.11314, 2.8698e-05), (1.0, 0.001), (0.0, 0.5), (2.0, 0.0)])
+        ledger.weigh(ps, pc)
+        n = rng.randint(1, 12)
+        ledger.ensure(n + 2)
+        for _ in range(rng.randint(0, 30)):  # few distinct sizes: ties are common
+            ledger.add(rng.randrange(n + 2), rng.uniform(0, 100), rng.choice([100, 100, 900]))
+        if rng.random() < 0.3:
+            ledger.expire(rng.uniform(0, 100))
+        dcap = rng.choice([0, 2_000, 100_000])
+        decodes = [DecodeView(s, rng.choice([0, 0, 0, 2, 9]), rng.choice([0, 0, 500, 3000]),
+                              rng.choice([0, 0, 1_500, 50_000]))
+                   for s in rng.sample(range(n + 2), k=n)]
+        need = rng.choice([10, 400, 1_200])
+        want = _full_scan(decodes, ledger, ps, pc, dcap, need)
+        assert _least_loaded(decodes, ledger, dcap, need) == want, case
 
 
 if __name__ == "__main__":
