@@ -179,6 +179,8 @@ class DecodeLedger:
 
     def expire(self, now_ms: float) -> None:
         heap = self._heap
+        if not heap or heap[0][0] > now_ms:
+            return
         dirty: set[int] = set()
         while heap and heap[0][0] <= now_ms:
             _, _, slot, _ = heapq.heappop(heap)

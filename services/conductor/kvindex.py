@@ -186,7 +186,7 @@ class KVIndex:
         The lookups dominate at scale (one dict probe per block, a few cache misses each at
         a million keys); everything after them costs about the same at 10 and 100 candidates.
         """
-        hs = list(takewhile(bool, map(self._holders.get, keys, repeat(0))))
+        hs = list(takewhile(int.__bool__, map(self._holders.get, keys, repeat(0))))
         g = len(hs)
         local = [0] * len(masks)
         if not g:
