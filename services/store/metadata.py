@@ -5,16 +5,8 @@ threads, so every public method takes the one state lock; tests drive it directl
 clock. Messages that cross the wire (replica descriptions, node commands, block events) are
 built here as protobuf messages because that is what they are; nothing here imports grpc.
 
-Lifecycle of an object::
-
-    put_start ──> pending (space allocated, invisible) ──put_end──> committed (visible)
-                      └──put_revoke / timeout / node death──> space freed
-
-A pending put claims its key for a short time (`put_claim_s`, longer for big objects): other
-writers of the key are told it exists, so concurrent writers of one block do not all write it.
-A writer that crashes therefore blocks its key only until the claim lapses, not for the whole
-put timeout: after that a new put of the key runs beside the old one, the first `put_end`
-publishes, and a later one is refused as superseded (`PutSuperseded`) with its space freed.
+Puts are `puts.ClassicPuts` (two phases, `put_start` / `put_end`) and `spaces.SpaceLeases`
+(one round trip, from a leased extent), both mixins of this class.
 
 A node that registers again with a new incarnation (a restarted process) is reconciled with
 the inventory it reports: replicas the master recorded there that the node no longer lists are
@@ -44,13 +36,23 @@ from collections.abc import Callable, Iterator, Sequence
 
 from mooncake_k8s.common.errors import (
     InvalidArgument,
-    NoSpace,
-    ObjectTooLarge,
     StoreError,
 )
 from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.store.events import EventHub, Subscription
 from mooncake_k8s.store.membership import NodeMembership
+from mooncake_k8s.store.puts import (
+    MAX_REPLICAS as MAX_REPLICAS,
+)
+from mooncake_k8s.store.puts import (
+    ClassicPuts,
+)
+from mooncake_k8s.store.puts import (
+    PutNotFound as PutNotFound,  # re-exported: callers catch them as the master's errors
+)
+from mooncake_k8s.store.puts import (
+    PutSuperseded as PutSuperseded,
+)
 from mooncake_k8s.store.records import (
     HIDDEN,
     LEASE,
@@ -65,16 +67,13 @@ from mooncake_k8s.store.records import (
     Pending,
     Rep,
     Segment,
-    check_key,
     encode_entry,
-    rep_pb,
 )
 from mooncake_k8s.store.spaces import SPACE_TTL_S, SpaceLease, SpaceLeases
 from mooncake_k8s.store.tiering import TierPolicy
 
 log = logging.getLogger(__name__)
 
-MAX_REPLICAS = 8
 MAX_LEASE_MS = 60_000
 #: Master RSS per committed single-replica object with a 32-char key, lookups included:
 #: 265 B at 1,000,000 objects (bench/master_mem_bench.py; 828 B before the records were
@@ -89,26 +88,11 @@ _EV = pb.BlockEvent
 _CMD = pb.NodeCommand
 
 
-class PutNotFound(StoreError, LookupError):
-    """The put id is unknown: never issued, already ended, revoked, or timed out."""
-
-
 class UnknownNode(StoreError, LookupError):
     """The node is not registered with this master (it restarted, or the node timed out)."""
 
 
-class PutSuperseded(StoreError):
-    """Another put of the same key ended first (this put's claim had lapsed); the object is
-    stored, this put's space is freed. For the writer that is as good as ObjectExists."""
-
-
-#: A claim lasts put_claim_s plus the time to write the object's replicas at this rate, so a
-#: large put by a live writer keeps its key while small ones lapse fast after a crash. Too
-#: short only costs a duplicate write (the keys name their content), never a failure.
-CLAIM_BYTES_PER_S = 256 << 20
-
-
-class MasterState(NodeMembership, TierPolicy, SpaceLeases):
+class MasterState(ClassicPuts, NodeMembership, TierPolicy, SpaceLeases):
     """Everything the master knows; see the module docstring. Thread-safe."""
 
     def __init__(
@@ -242,150 +226,6 @@ class MasterState(NodeMembership, TierPolicy, SpaceLeases):
             self._free_rep(obj, rep)
         obj.set_reps([])
         self.hidden_objects -= 1
-
-    # -- puts ------------------------------------------------------------------------------
-
-    def put_start(
-        self,
-        key: str,
-        size: int,
-        replicas: int = 1,
-        placement: int = pb.LOCAL_FIRST,
-        preferred_segment: str = "",
-        client_host_id: str = "",
-    ) -> pb.PutStartResponse:
-        """Allocate space for a new object. `exists=True` (put_id 0) when the key is already
-        stored, or (with `in_progress`) another put of it holds a live claim on the key."""
-        check_key(key)
-        replicas = self._check_put(size, replicas, placement)
-        with self._op():
-            if key in self._objects:
-                return pb.PutStartResponse(exists=True)
-            now = self._now()
-            claimant = self._pending.get(self._pending_keys.get(key, 0))
-            if claimant is not None:
-                if claimant.claim_until > now:
-                    return pb.PutStartResponse(exists=True, in_progress=True)
-                log.info(
-                    "put claim lapsed: another writer takes the key over",
-                    extra={"key": key, "put_id": claimant.put_id},
-                )
-            reps = self._place(size, replicas, placement, preferred_segment, client_host_id)
-            put_id = next(self._ids)
-            claim = min(self.put_timeout_s,
-                        self.put_claim_s + size * replicas / CLAIM_BYTES_PER_S)
-            self._pending[put_id] = Pending(
-                put_id, key, size, reps, now + self.put_timeout_s, now + claim
-            )
-            self._pending_keys[key] = put_id
-            return pb.PutStartResponse(put_id=put_id, replicas=[rep_pb(r) for r in reps])
-
-    def _check_put(self, size: int, replicas: int, placement: int) -> int:
-        """Validate a put's (or a space lease's) shape; returns the replica count (0 means 1)."""
-        if replicas == 0:
-            replicas = 1
-        if not 1 <= replicas <= MAX_REPLICAS:
-            raise InvalidArgument(f"replicas must be 1..{MAX_REPLICAS}, got {replicas}")
-        if size < 1:
-            raise InvalidArgument("size must be >= 1 (the store keeps no empty objects)")
-        if size > self.max_object_size:
-            raise ObjectTooLarge(
-                f"object of {size} bytes is too large: the limit is {self.max_object_size}"
-            )
-        if placement not in (pb.PLACEMENT_UNSPECIFIED, pb.LOCAL_FIRST, pb.PREFERRED, pb.MOST_FREE):
-            raise InvalidArgument(f"unknown placement {placement}")
-        return replicas
-
-    def put_end(self, key: str, put_id: int, checksum: int) -> None:
-        """Publish a written object: from now on lookups see it."""
-        if not 0 <= checksum < 1 << 64:  # (gRPC gives a uint64; in-process callers may not)
-            raise InvalidArgument(f"checksum must be an unsigned 64-bit integer, got {checksum}")
-        with self._op():
-            put = self._pending.get(put_id)
-            if put is None:
-                raise PutNotFound(
-                    f"put {put_id} is unknown: already ended, revoked, timed out, or its node died"
-                )
-            if put.key != key:
-                raise InvalidArgument(f"put {put_id} is for another key")
-            if key in self._objects:
-                self._end_pending(put)
-                raise PutSuperseded(
-                    f"object {key!r} was stored by another writer whose put ended first "
-                    f"(the claim of put {put_id} had lapsed); nothing more to write"
-                )
-            self._end_pending(put, free=False)
-            self._publish(key, put.size, checksum, put.reps)
-
-    def _publish(self, key: str, size: int, checksum: int, reps: list[Rep]) -> None:
-        """Make a written object visible: lookups see it, its nodes and watchers hear of it."""
-        obj = Obj(key, size, checksum, reps)
-        self._objects[key] = obj
-        for rep in reps:
-            seg = rep.seg
-            seg.enqueue(obj)
-            self._command(seg.node, _CMD.COMMITTED, key, seg, rep.offset, size, checksum)
-            self._emit(_EV.STORED, key, size, seg)
-
-    def put_revoke(self, key: str, put_id: int) -> None:
-        """Abandon a put; its space is freed."""
-        with self._op():
-            put = self._pending.get(put_id)
-            if put is None:
-                raise PutNotFound(f"put {put_id} is unknown: already ended, revoked or timed out")
-            if put.key != key:
-                raise InvalidArgument(f"put {put_id} is for another key")
-            self._end_pending(put)
-
-    def _end_pending(self, put: Pending, free: bool = True) -> None:
-        self._pending.pop(put.put_id, None)
-        if self._pending_keys.get(put.key) == put.put_id:
-            del self._pending_keys[put.key]
-        if free:
-            for rep in put.reps:
-                if rep.seg.alive:
-                    rep.seg.alloc.free(rep.offset, put.size)
-
-    def batch_put_start(self, items: Sequence[pb.PutStartRequest]) -> list[pb.PutStartResult]:
-        out = []
-        for it in items:
-            try:
-                ok = self.put_start(
-                    it.key, it.size, it.replicas, it.placement, it.preferred_segment,
-                    it.client_host_id,
-                )
-                out.append(pb.PutStartResult(ok=ok))
-            except ObjectTooLarge as e:
-                out.append(pb.PutStartResult(error=str(e), error_code="TOO_LARGE"))
-            except InvalidArgument as e:
-                out.append(pb.PutStartResult(error=str(e), error_code="INVALID"))
-            except NoSpace as e:
-                out.append(pb.PutStartResult(error=str(e), error_code="NO_SPACE"))
-        return out
-
-    def batch_put_end(self, items: Sequence[pb.PutEndRequest]) -> pb.BatchPutEndResponse:
-        """`put_end` of each item; an error message and code per item ("" when it ended)."""
-        errors: list[str] = []
-        codes: list[str] = []
-        for it in items:
-            code = ""
-            try:
-                self.put_end(it.key, it.put_id, it.checksum)
-                errors.append("")
-            except PutSuperseded as e:
-                errors.append(str(e))
-                code = "EXISTS"
-            except PutNotFound as e:
-                errors.append(str(e))
-                code = "NOT_FOUND"
-            except StoreError as e:
-                errors.append(str(e))
-                code = "ERROR"
-            except InvalidArgument as e:
-                errors.append(str(e))
-                code = "INVALID"
-            codes.append(code)
-        return pb.BatchPutEndResponse(errors=errors, error_codes=codes)
 
     # -- reads -----------------------------------------------------------------------------
 
