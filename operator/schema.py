@@ -14,6 +14,25 @@ from __future__ import annotations
 from typing import Any
 
 from mooncake_k8s.operator import corev1
+from mooncake_k8s.operator.schema_dsl import (
+    DNS_LABEL,
+    DNS_SUBDOMAIN,
+    OPTIONAL_DNS_SUBDOMAIN,
+    OPTIONAL_QUALIFIED_NAME,
+    array,
+    boolean,
+    free_object,
+    integer,
+    number,
+    obj,
+    quantity_map,
+    rule,
+    secret_key_ref,
+    size,
+    string,
+    string_map,
+)
+from mooncake_k8s.operator.schema_status import cluster_status_schema
 
 Schema = dict[str, Any]
 
@@ -25,143 +44,6 @@ DATA_ROLES = ("prefill", "decode", "store")
 DEFAULT_IMAGE = "mooncake-k8s:0.1.0"
 
 # Byte sizes as Kubernetes quantities (binary or decimal suffixes, no exponents or millis).
-SIZE_PATTERN = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
-# Kubernetes' own name grammars (`corev1` applies the same expressions in Python).
-DNS_LABEL = corev1.DNS_LABEL
-DNS_SUBDOMAIN = corev1.DNS_SUBDOMAIN
-# A name that may also be empty (the field then means "the default").
-OPTIONAL_DNS_SUBDOMAIN = "^$|" + corev1.DNS_SUBDOMAIN
-OPTIONAL_QUALIFIED_NAME = "^$|" + corev1.QUALIFIED_NAME
-# Pattern -> the message `validation` shows instead of "does not match <regex>"; `corev1` words
-# the same violations identically, so an error reads the same from either side.
-PATTERN_MESSAGES = {
-    DNS_SUBDOMAIN: corev1.DNS_SUBDOMAIN_MSG,
-    OPTIONAL_DNS_SUBDOMAIN: corev1.DNS_SUBDOMAIN_MSG,
-    corev1.QUALIFIED_NAME: corev1.QUALIFIED_NAME_MSG,
-    OPTIONAL_QUALIFIED_NAME: corev1.QUALIFIED_NAME_MSG,
-    corev1.LABEL_VALUE: corev1.LABEL_VALUE_MSG,
-}
-
-
-def _d(schema: Schema, desc: str, default: Any = None) -> Schema:
-    schema["description"] = desc
-    if default is not None:
-        schema["default"] = default
-    return schema
-
-
-def string(desc: str, *, default: str | None = None, enum: tuple[str, ...] | None = None,
-           pattern: str | None = None, min_length: int | None = None,
-           max_length: int | None = None) -> Schema:
-    s: Schema = {"type": "string"}
-    if enum is not None:
-        s["enum"] = list(enum)
-    if pattern is not None:
-        s["pattern"] = pattern
-    if min_length is not None:
-        s["minLength"] = min_length
-    if max_length is not None:
-        s["maxLength"] = max_length
-    return _d(s, desc, default)
-
-
-def integer(desc: str, *, default: int | None = None, minimum: int | None = None,
-            maximum: int | None = None) -> Schema:
-    s: Schema = {"type": "integer"}
-    if minimum is not None:
-        s["minimum"] = minimum
-    if maximum is not None:
-        s["maximum"] = maximum
-    return _d(s, desc, default)
-
-
-def number(desc: str, *, default: float | None = None, minimum: float | None = None,
-           maximum: float | None = None) -> Schema:
-    s: Schema = {"type": "number"}
-    if minimum is not None:
-        s["minimum"] = minimum
-    if maximum is not None:
-        s["maximum"] = maximum
-    return _d(s, desc, default)
-
-
-def boolean(desc: str, *, default: bool | None = None) -> Schema:
-    return _d({"type": "boolean"}, desc, default)
-
-
-def size(desc: str, *, default: str | None = None) -> Schema:
-    """A byte quantity such as `4Gi`; a plain integer is a byte count."""
-    s: Schema = {
-        "x-kubernetes-int-or-string": True,
-        "anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": SIZE_PATTERN}],
-    }
-    return _d(s, desc, default)
-
-
-def quantity_map(desc: str) -> Schema:
-    """Resource name -> quantity (`500m`, `2`, `1.5Gi`, `1e3`); never negative."""
-    return _d({
-        "type": "object",
-        "additionalProperties": {
-            "x-kubernetes-int-or-string": True,
-            "anyOf": [{"type": "integer", "minimum": 0},
-                      {"type": "string", "pattern": corev1.QUANTITY}],
-        },
-    }, desc)
-
-
-def string_map(desc: str, *, value_pattern: str | None = None,
-               value_max_length: int | None = None) -> Schema:
-    values: Schema = {"type": "string"}
-    if value_pattern is not None:
-        values["pattern"] = value_pattern
-    if value_max_length is not None:
-        values["maxLength"] = value_max_length
-    return _d({"type": "object", "additionalProperties": values}, desc)
-
-
-def free_object(desc: str) -> Schema:
-    """An object passed through to Kubernetes as written (affinity, pod template overrides)."""
-    return _d({"type": "object", "x-kubernetes-preserve-unknown-fields": True}, desc)
-
-
-def array(desc: str, items: Schema, *, max_items: int | None = None) -> Schema:
-    s: Schema = {"type": "array", "items": items}
-    if max_items is not None:
-        s["maxItems"] = max_items
-    return _d(s, desc)
-
-
-def rule(expr: str, message: str, *, field_path: str | None = None,
-         message_expression: str | None = None) -> Schema:
-    """A CEL rule. `message_expression` (a CEL string expression) words the error from the
-    object; `message` stays as the fallback the API server uses if it fails."""
-    r: Schema = {"rule": expr, "message": message}
-    if message_expression is not None:
-        r["messageExpression"] = message_expression
-    if field_path is not None:
-        r["fieldPath"] = field_path
-    return r
-
-
-def obj(desc: str, props: dict[str, Schema], *, required: tuple[str, ...] = (),
-        default: dict[str, Any] | None = None, rules: tuple[Schema, ...] = ()) -> Schema:
-    s: Schema = {"type": "object", "properties": props}
-    if required:
-        s["required"] = list(required)
-    if rules:
-        s["x-kubernetes-validations"] = list(rules)
-    return _d(s, desc, default)
-
-
-def secret_key_ref(desc: str, default_key: str) -> Schema:
-    return obj(desc, {
-        "name": string("Name of a Secret in the cluster's namespace.", pattern=DNS_SUBDOMAIN,
-                       max_length=253),
-        "key": string("Key inside the Secret.", default=default_key, min_length=1),
-    }, required=("name",))
-
-
 # --------------------------------------------------------------------------------------------
 # spec
 
@@ -669,64 +551,6 @@ def cluster_spec_schema() -> Schema:
     )
 
 
-# --------------------------------------------------------------------------------------------
-# status
-
-
-def _condition() -> Schema:
-    return obj("A condition of the cluster.", {
-        "type": string("Ready, Progressing, Degraded, KVStoreReady or RDMAReady."),
-        "status": string("True, False or Unknown.", enum=("True", "False", "Unknown")),
-        "reason": string("CamelCase reason for the last transition."),
-        "message": string("Human-readable detail."),
-        "lastTransitionTime": string("When status last changed (RFC 3339)."),
-        "observedGeneration": integer("metadata.generation this condition was computed for."),
-    }, required=("type", "status"))
-
-
-def _role_status() -> Schema:
-    return obj("Observed state of one role.", {
-        "replicas": integer("Pods desired now (after autoscaling)."),
-        "readyReplicas": integer("Pods ready."),
-        "updatedReplicas": integer("Pods running the current revision."),
-        "revision": string("Hash of the role's current pod template (label "
-                           "`mooncake.io/revision`)."),
-    })
-
-
-def cluster_status_schema() -> Schema:
-    s = obj("Observed state, written by the operator.", {
-        "observedGeneration": integer("metadata.generation the operator last applied."),
-        "conditions": array("Ready, Progressing, Degraded, KVStoreReady and RDMAReady.",
-                            _condition(), max_items=16),
-        "roles": obj("Per-role replicas.", {r: _role_status() for r in ROLES}),
-        "servingRevision": string("Revision prefill and decode pair on (label "
-                                  "`mooncake.io/serving-revision`, env MOONCAKE_REVISION)."),
-        "store": obj("KV cache pool usage, read from the master's metrics.", {
-            "capacityBytes": integer("Total bytes of all segments (DRAM and SSD)."),
-            "usedBytes": integer("Bytes allocated to KV blocks."),
-            "hitRate": number("Fraction of block lookups that hit since the master started."),
-        }),
-        "rdma": obj("What the rdma-probe init containers found.", {
-            "podsWithDevices": integer("Data pods whose probe found an active device."),
-            "podsWithoutDevices": integer("Data pods whose probe found none (TCP)."),
-            "devices": array("Distinct device names seen.", string("Device name."),
-                             max_items=64),
-        }),
-        "autoscaling": obj("The SLO autoscaler's last decision.", {
-            "prefill": integer("Prefill replicas it chose."),
-            "decode": integer("Decode replicas it chose."),
-            "reason": string("Why."),
-            "time": string("When (RFC 3339)."),
-        }),
-        "endpoint": string("In-cluster URL of the OpenAI-compatible API."),
-    })
-    conditions = s["properties"]["conditions"]
-    conditions["x-kubernetes-list-type"] = "map"
-    conditions["x-kubernetes-list-map-keys"] = ["type"]
-    return s
-
-
 def cluster_schema() -> Schema:
     """The whole object schema (what goes under `openAPIV3Schema`)."""
     return obj("MooncakeCluster deploys KV-cache-centric disaggregated LLM serving.", {
@@ -734,7 +558,7 @@ def cluster_schema() -> Schema:
         "kind": string("Kind of this object."),
         "metadata": {"type": "object"},
         "spec": cluster_spec_schema(),
-        "status": cluster_status_schema(),
+        "status": cluster_status_schema(ROLES),
     }, required=("spec",), rules=(rule(
         "self.metadata.name.size() <= 40",
         "metadata.name: at most 40 characters (child names and labels append suffixes)"),))

@@ -29,6 +29,7 @@ from celpy.adapter import json_to_cel
 
 from mooncake_k8s.operator import admission, corev1
 from mooncake_k8s.operator import schema as sch
+from mooncake_k8s.operator.schema_dsl import PATTERN_MESSAGES
 
 Schema = dict[str, Any]
 
@@ -78,8 +79,8 @@ def _structural_errors(s: Schema, value: Any) -> list[str]:
         where = _path(list(e.absolute_path))
         if e.validator == "anyOf" and e.schema.get("x-kubernetes-int-or-string"):
             msg = _int_or_string_message(e.schema, e.instance)
-        elif e.validator == "pattern" and e.validator_value in sch.PATTERN_MESSAGES:
-            msg = f"{e.instance!r} {sch.PATTERN_MESSAGES[e.validator_value]}"
+        elif e.validator == "pattern" and e.validator_value in PATTERN_MESSAGES:
+            msg = f"{e.instance!r} {PATTERN_MESSAGES[e.validator_value]}"
         elif e.validator == "pattern":
             msg = f"{e.instance!r} does not match {e.validator_value}"
         elif e.validator == "type" and e.instance is None:

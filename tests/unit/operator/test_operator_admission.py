@@ -16,7 +16,7 @@ from typing import Any
 import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 
-from mooncake_k8s.operator import corev1, schema
+from mooncake_k8s.operator import corev1, schema, schema_dsl
 from mooncake_k8s.operator.render import SpecError, render
 from mooncake_k8s.operator.validation import InvalidResource, validate, validate_cluster
 
@@ -449,8 +449,8 @@ NAMES = ["a", "a-b", "a.b", "a..b", "-a", "a-", "A", "a_b", "a/b", "example.com/
 
 
 @pytest.mark.parametrize(("pattern", "check"), [
-    (schema.DNS_LABEL, corev1.dns1123_label),
-    (schema.DNS_SUBDOMAIN, corev1.dns1123_subdomain),
+    (schema_dsl.DNS_LABEL, corev1.dns1123_label),
+    (schema_dsl.DNS_SUBDOMAIN, corev1.dns1123_subdomain),
     (corev1.QUALIFIED_NAME, corev1.qualified_name),
     (corev1.LABEL_VALUE, corev1.label_value),
 ])

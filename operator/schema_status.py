@@ -1,0 +1,64 @@
+"""The `MooncakeCluster` status schema: what the operator writes back (conditions, per-role
+replicas, store usage, RDMA probe results, the autoscaler's last decision).
+
+Pure data, composed into the whole object by `schema.cluster_schema`.
+"""
+
+from __future__ import annotations
+
+from mooncake_k8s.operator.schema_dsl import Schema, array, integer, number, obj, string
+
+
+def _condition() -> Schema:
+    return obj("A condition of the cluster.", {
+        "type": string("Ready, Progressing, Degraded, KVStoreReady or RDMAReady."),
+        "status": string("True, False or Unknown.", enum=("True", "False", "Unknown")),
+        "reason": string("CamelCase reason for the last transition."),
+        "message": string("Human-readable detail."),
+        "lastTransitionTime": string("When status last changed (RFC 3339)."),
+        "observedGeneration": integer("metadata.generation this condition was computed for."),
+    }, required=("type", "status"))
+
+
+def _role_status() -> Schema:
+    return obj("Observed state of one role.", {
+        "replicas": integer("Pods desired now (after autoscaling)."),
+        "readyReplicas": integer("Pods ready."),
+        "updatedReplicas": integer("Pods running the current revision."),
+        "revision": string("Hash of the role's current pod template (label "
+                           "`mooncake.io/revision`)."),
+    })
+
+
+def cluster_status_schema(roles: tuple[str, ...]) -> Schema:
+    """The status of a cluster whose pods play `roles`."""
+    s = obj("Observed state, written by the operator.", {
+        "observedGeneration": integer("metadata.generation the operator last applied."),
+        "conditions": array("Ready, Progressing, Degraded, KVStoreReady and RDMAReady.",
+                            _condition(), max_items=16),
+        "roles": obj("Per-role replicas.", {r: _role_status() for r in roles}),
+        "servingRevision": string("Revision prefill and decode pair on (label "
+                                  "`mooncake.io/serving-revision`, env MOONCAKE_REVISION)."),
+        "store": obj("KV cache pool usage, read from the master's metrics.", {
+            "capacityBytes": integer("Total bytes of all segments (DRAM and SSD)."),
+            "usedBytes": integer("Bytes allocated to KV blocks."),
+            "hitRate": number("Fraction of block lookups that hit since the master started."),
+        }),
+        "rdma": obj("What the rdma-probe init containers found.", {
+            "podsWithDevices": integer("Data pods whose probe found an active device."),
+            "podsWithoutDevices": integer("Data pods whose probe found none (TCP)."),
+            "devices": array("Distinct device names seen.", string("Device name."),
+                             max_items=64),
+        }),
+        "autoscaling": obj("The SLO autoscaler's last decision.", {
+            "prefill": integer("Prefill replicas it chose."),
+            "decode": integer("Decode replicas it chose."),
+            "reason": string("Why."),
+            "time": string("When (RFC 3339)."),
+        }),
+        "endpoint": string("In-cluster URL of the OpenAI-compatible API."),
+    })
+    conditions = s["properties"]["conditions"]
+    conditions["x-kubernetes-list-type"] = "map"
+    conditions["x-kubernetes-list-map-keys"] = ["type"]
+    return s
