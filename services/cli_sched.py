@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from mooncake_k8s.cliopts import MASTERS, SIZE, _token_opt
+from mooncake_k8s.common.defaults import BLOCK_TOKENS
 
 
 def _fail(msg: str) -> None:
@@ -210,7 +211,7 @@ def analyze(trace_path: str, json_out: str | None, plot_out: str | None,
 @_token_opt
 @click.option("--kv-bytes-per-token", default=None, type=click.IntRange(1),
               help="KV bytes per token, when not read from the store.")
-@click.option("--block-tokens", default=64, show_default=True, type=click.IntRange(1),
+@click.option("--block-tokens", default=BLOCK_TOKENS, show_default=True, type=click.IntRange(1),
               help="The cluster's tokens per KV block (to read the block size).")
 @click.option("--lengths", default="64,128,256,512,1024", show_default=True,
               help="Prompt lengths for the prefill fit.")

@@ -22,6 +22,7 @@ from mooncake_k8s.cliopts import (
     _warn_no_token,
     _with_logs,
 )
+from mooncake_k8s.common.defaults import BLOCK_TOKENS
 
 _host_opts = [
     click.option("--host", envvar="MOONCAKE_HOST", default="127.0.0.1", show_default=True,
@@ -36,7 +37,7 @@ _model_opts = [
                       "SmolLM2-135M-Instruct]."),
     click.option("--served-model-name", envvar="MOONCAKE_SERVED_MODEL_NAME", default=None,
                  show_envvar=True, help="Model name clients ask for."),
-    click.option("--block-tokens", envvar="MOONCAKE_BLOCK_TOKENS", default=64,
+    click.option("--block-tokens", envvar="MOONCAKE_BLOCK_TOKENS", default=BLOCK_TOKENS,
                  show_default=True, show_envvar=True, type=click.IntRange(1, 4096),
                  help="Tokens per KV block (must match across the cluster)."),
     click.option("--device", envvar="MOONCAKE_DEVICE", default=None, show_envvar=True,
@@ -106,7 +107,7 @@ def _engine_config(o: dict[str, Any]) -> Any:
     if o.get("model") and not os.path.isdir(o["model"]):
         raise click.BadParameter(f"not a directory: {o['model']}", param_hint="--model")
     return EngineConfig(model=o.get("model"), served_name=o.get("served_model_name"),
-                        device=o.get("device"), block_tokens=o.get("block_tokens", 64),
+                        device=o.get("device"), block_tokens=o.get("block_tokens", BLOCK_TOKENS),
                         max_batch=o.get("max_batch", 32), threads=o.get("threads"))
 
 

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mooncake_k8s.common.defaults import BLOCK_TOKENS
 from mooncake_k8s.common.netutil import free_service_port
 from mooncake_k8s.common.procs import Proc
 from mooncake_k8s.supervise import RestartPolicy, Supervisor
@@ -50,7 +51,7 @@ class UpConfig:
     log_dir: str | None = None
     model: str | None = None
     served_model_name: str | None = None
-    block_tokens: int = 64
+    block_tokens: int = BLOCK_TOKENS
     device: str | None = None
     threads: int | None = None
     ready_timeout_s: float = 600.0

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from mooncake_k8s.common.defaults import BLOCK_TOKENS
+
 from .buffers import byte_view
 from .checksum import checksum
 from .errors import IntegrityError, InvalidArgument
@@ -57,7 +59,7 @@ class KeyNamespace:
 
     model_fingerprint: str
     dtype: str
-    block_tokens: int = 64
+    block_tokens: int = BLOCK_TOKENS
     tenant_salt: str = ""
     layout_version: int = LAYOUT_VERSION
     kv_layout: str = ""

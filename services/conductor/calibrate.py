@@ -33,6 +33,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from mooncake_k8s.common.defaults import BLOCK_TOKENS
 from mooncake_k8s.conductor.costmodel import (
     CostModel,
     CostModelError,
@@ -63,7 +64,7 @@ class CalibrateConfig:
     kv_bytes_per_token: int | None = None
     master: str | None = None
     token: str = ""
-    block_tokens: int = 64
+    block_tokens: int = BLOCK_TOKENS
     name: str = "calibrated"
     seed: int = 0
     timeout_s: float = 120.0

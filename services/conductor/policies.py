@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from itertools import compress
 from typing import TYPE_CHECKING
 
+from mooncake_k8s.common.defaults import BLOCK_TOKENS
 from mooncake_k8s.conductor.admission import (
     AdmissionConfig,
     DecodeLedger,
@@ -59,7 +60,7 @@ POLICIES = ("random", "round_robin", "load_balancing", "local_cache_aware",
 @dataclass(frozen=True)
 class SchedulerConfig:
     policy: str = "global_cache_aware"
-    block_tokens: int = 64
+    block_tokens: int = BLOCK_TOKENS
     """Tokens per KV block (the cluster's; the simulator uses the trace's)."""
     admission: AdmissionConfig | None = None
     """None: admit everything (no early rejection)."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from mooncake_k8s.common.defaults import BLOCK_TOKENS
+
 from ..common.errors import InvalidArgument, MooncakeError
 
 #: dtype names an engine accepts (they are also names in `common.blocks.DTYPES`).
@@ -41,7 +43,7 @@ class EngineConfig:
     dtype: str | None = None
     """Weights and KV cache dtype; None = float32 on CPU, bfloat16 on CUDA. Part of the block
     namespace: blocks of different dtypes are never mixed."""
-    block_tokens: int = 64
+    block_tokens: int = BLOCK_TOKENS
     """Tokens per KV block (DESIGN §3); must match the cluster's block size."""
     max_batch: int = 32
     """Decode: most sequences running at once."""
