@@ -166,18 +166,6 @@ class StoreClient:
 
     # -- writes ----------------------------------------------------------------------------
 
-    def _put_start_request(
-        self, key: str, size: int, replicas: int, placement: str, preferred_segment: str | None
-    ) -> pb.PutStartRequest:
-        if placement not in _PLACEMENTS:
-            raise InvalidArgument(f"placement must be one of {sorted(_PLACEMENTS)}")
-        if size < 1:
-            raise InvalidArgument(f"object {key!r} is empty; the store keeps objects of >= 1 byte")
-        return pb.PutStartRequest(
-            key=key, size=size, replicas=replicas, placement=_PLACEMENTS[placement],
-            preferred_segment=preferred_segment or "", client_host_id=self._host_id,
-        )
-
     def put(
         self,
         key: str,
@@ -245,7 +233,10 @@ class StoreClient:
     ) -> list[Exception | None]:
         """PutStart (the master allocates), write, PutEnd: two round trips per batch."""
         reqs = [
-            self._put_start_request(k, len(v), replicas, placement, preferred_segment)
+            pb.PutStartRequest(  # (batch_put validated placement and sizes)
+                key=k, size=len(v), replicas=replicas, placement=_PLACEMENTS[placement],
+                preferred_segment=preferred_segment or "", client_host_id=self._host_id,
+            )
             for k, v in zip(keys, views, strict=True)
         ]
         results: list[Exception | None] = [None] * len(keys)

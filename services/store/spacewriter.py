@@ -103,11 +103,11 @@ class SpaceWriter:
         """Put `keys`: a result per key (None stored, an exception, or `RETRY`), or None when
         this path cannot take the batch at all (the caller uses the classic path)."""
         sizes = [len(v) for v in views]
-        total = sum(_align(n, 64) for n in sizes)
-        if (not self.enabled or total > MAX_BATCH or not sizes or min(sizes) < 1
+        need = sum(_align(n, 64) for n in sizes)
+        if (not self.enabled or need > MAX_BATCH or not sizes or min(sizes) < 1
                 or shape[1] == pb.MOST_FREE):  # spreads object by object: classic puts
             return None
-        got = self._carve(shape, sizes)
+        got = self._carve(shape, sizes, need)
         if got is None:
             return None
         ext, offsets = got
@@ -115,27 +115,29 @@ class SpaceWriter:
         written = self._write_all(ext, views, offsets, results)
         items = [pb.CommitItem(key=keys[i], offset=offsets[i], size=sizes[i], checksum=s)
                  for i, s in written]
+        sent = time.monotonic()
         try:
-            if not items:
-                return results
-            sent = time.monotonic()
-            try:
-                resp = self._call("PutCommit", pb.PutCommitRequest(
-                    lease_id=ext.lease_id, items=items))
-            except StoreError as e:
-                for i, _ in written:
-                    results[i] = StoreError(f"publishing {keys[i]!r}: {e}")
-                self._retire(shape, ext)
-                return results
+            resp = self._call("PutCommit", pb.PutCommitRequest(
+                lease_id=ext.lease_id, items=items)) if items else None
+        except StoreError as e:
+            for i, _ in written:
+                results[i] = StoreError(f"publishing {keys[i]!r}: {e}")
+            self._retire(shape, ext)
+            return results
         finally:
             self._done(ext)
+        if resp is None:
+            return results
         ext.valid_until = max(ext.valid_until, sent + _USE_SHARE * ext.ttl_s)
+        lost = False
         for (i, _), msg, code in zip(written, resp.errors, resp.codes, strict=False):
             if code == pb.ERROR_NOT_FOUND:
                 results[i] = RETRY
-                self._retire(shape, ext)
+                lost = True
             elif code != pb.ERROR_NONE:
                 results[i] = code_error(code, f"put {keys[i]!r}: {msg}")
+        if lost:
+            self._retire(shape, ext)
         return results
 
     def _write_all(
@@ -159,15 +161,17 @@ class SpaceWriter:
 
     # -- extents -------------------------------------------------------------------------------
 
-    def _carve(self, shape: Shape, sizes: list[int]) -> tuple[_Extent, list[int]] | None:
-        """Offsets for `sizes` in the shape's extent, taking a new lease when it has no room."""
+    def _carve(
+        self, shape: Shape, sizes: list[int], need: int
+    ) -> tuple[_Extent, list[int]] | None:
+        """Offsets for `sizes` (`need` bytes, aligned) in the shape's extent, taking a new
+        lease when it has no room."""
         with self._lock:
             ext = self._extents.get(shape)
             if ext is not None:
                 offsets = self._take(ext, sizes)
                 if offsets is not None:
                     return ext, offsets
-            need = sum(_align(n, 64) for n in sizes)
             fresh = self._lease(shape, need)
             if fresh is None:
                 return None
