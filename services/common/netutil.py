@@ -17,20 +17,37 @@ def free_port(host: str = "127.0.0.1") -> int:
 SERVICE_PORTS = (20000, 32000)
 
 
+#: Ports this process handed out lately, with when: a port is free for us only once whoever we
+#: gave it to has had time to bind it.
+_HANDED_OUT: dict[int, float] = {}
+_HANDED_OUT_TTL_S = 300.0
+
+
 def free_service_port(host: str = "127.0.0.1") -> int:
     """A free port for a server another program will bind later (an engine child). Picked
     outside the ephemeral range, so the gap between our check and its bind is not a race with
-    every connection on the host (seen: an SGLang child lost its port to one)."""
+    every connection on the host (seen: an SGLang child lost its port to one). A port handed out
+    in the last few minutes is never handed out again by this process: several children started
+    together have not bound theirs yet, and two of them given one port fail (seen in CI: a
+    decode's health port equal to a sibling's)."""
     import random
+    import time
 
+    now = time.monotonic()
+    for port, at in list(_HANDED_OUT.items()):
+        if now - at > _HANDED_OUT_TTL_S:
+            del _HANDED_OUT[port]
     for _ in range(200):
         port = random.randint(*SERVICE_PORTS)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             try:
                 s.bind((host, port))
             except OSError:
                 continue
-            return port
+        _HANDED_OUT[port] = now
+        return port
     return free_port(host)
 
 
