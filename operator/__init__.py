@@ -3,7 +3,8 @@
 Layers, lowest first; a module imports only from layers below it:
 
 - pure, no I/O and no kopf: `schema` (the CRD schemas), `naming` (names, labels, revisions),
-  `pods` and `render` (spec -> objects), `validation` (offline admission), `metrics`,
+  `pods` (pod templates, built from `pods_sizing`, `pods_context`, `pods_volumes` and
+  `pods_env`) and `render` (spec -> objects), `validation` (offline admission), `metrics`,
   `status` (children -> status), `autoscaler` (metrics -> replicas), `crds`, `rdma_probe`;
 - I/O: `kube` (a small API client for server-side apply), `reconcile` (one reconcile);
 - kopf: `handlers` (thin handlers over `reconcile`);

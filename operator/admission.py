@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from mooncake_k8s.operator import corev1, naming, pods
+from mooncake_k8s.operator import corev1, naming, pods_sizing
 from mooncake_k8s.operator.schema import ROLES
 
 Obj = dict[str, Any]
@@ -97,11 +97,12 @@ def _role_errors(role: Obj, path: str) -> list[str]:
 
 def effective_resources(resources: Any) -> Any:
     """The role's resources as the container will get them: a GPU written only under
-    requests is also put under limits (see `pods._resources`), so it is no error here."""
+    requests is also put under limits (see `pods_sizing.container_resources`), so it is no
+    error here."""
     if not isinstance(resources, dict) or not isinstance(resources.get("requests"), dict):
         return resources
     out = copy.deepcopy(resources)
-    gpus = {k: v for k, v in out["requests"].items() if pods.is_gpu_resource(str(k))}
+    gpus = {k: v for k, v in out["requests"].items() if pods_sizing.is_gpu_resource(str(k))}
     if gpus:
         limits = out.setdefault("limits", {})
         if isinstance(limits, dict):

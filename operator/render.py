@@ -16,7 +16,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mooncake_k8s.operator import admission, corev1, naming, pods
+from mooncake_k8s.operator import (
+    admission,
+    corev1,
+    naming,
+    pods,
+    pods_context,
+    pods_sizing,
+    pods_volumes,
+)
 from mooncake_k8s.operator.schema import GROUP, ROLES, VERSION
 
 Obj = dict[str, Any]
@@ -78,7 +86,7 @@ def _check(spec: Obj) -> None:
     if errors:
         raise SpecError("; ".join(errors))
     for role in ("store", "decode", "prefill"):
-        size = pods.shm_bytes(spec, role)
+        size = pods_sizing.shm_bytes(spec, role)
         limit = (spec["roles"][role].get("resources") or {}).get("limits", {}).get("memory")
         if size is not None and limit is not None and corev1.parse_quantity(limit) < size:
             raise SpecError(
@@ -89,7 +97,7 @@ def _check(spec: Obj) -> None:
             spec["roles"]["decode"]["localSegmentSize"]):
         raise SpecError("roles.decode.shmSize must hold roles.decode.localSegmentSize")
     for role in ("prefill", "decode"):
-        if spec["engine"].get("device") == "cpu" and pods.gpu_count(spec, role):
+        if spec["engine"].get("device") == "cpu" and pods_sizing.gpu_count(spec, role):
             raise SpecError(f"engine.device is cpu but roles.{role}.resources requests a GPU; "
                             "remove the GPU or set engine.device cuda")
 
@@ -103,10 +111,10 @@ def render(cluster: Obj, replicas: Mapping[str, int] | None = None) -> Rendered:
     counts = {r: int(spec["roles"][r]["replicas"]) for r in ROLES}
     counts.update(replicas or {})
 
-    probe = pods.Ctx(name, ns, spec, "")
+    probe = pods_context.Ctx(name, ns, spec, "")
     serving = naming.digest(naming.serving_inputs(
         spec, probe.image("prefill"), probe.image("decode")))
-    ctx = pods.Ctx(name, ns, spec, serving)
+    ctx = pods_context.Ctx(name, ns, spec, serving)
     templates: dict[str, Obj] = {}
     revisions: dict[str, str] = {}
     for role in ROLES:
@@ -182,8 +190,9 @@ def _stateful_set(meta: _Meta, spec: Obj, role: str, replicas: int, template: Ob
     }
     if role == "store" and "ssd" in spec["store"]:
         ssd = spec["store"]["ssd"]
+        storage = pods_volumes.quantity(ssd["size"])
         claim: Obj = {"accessModes": ["ReadWriteOnce"],
-                      "resources": {"requests": {"storage": pods._q(ssd["size"])}}}
+                      "resources": {"requests": {"storage": storage}}}
         if ssd.get("storageClassName"):
             claim["storageClassName"] = ssd["storageClassName"]
         sts["volumeClaimTemplates"] = [{"metadata": {"name": "ssd",

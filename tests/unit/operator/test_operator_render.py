@@ -19,7 +19,7 @@ import yaml
 from click.testing import CliRunner
 
 from mooncake_k8s.cli import main
-from mooncake_k8s.operator import naming, pods
+from mooncake_k8s.operator import naming, pods_sizing
 from mooncake_k8s.operator import schema as validation_schema
 from mooncake_k8s.operator.render import Rendered, SpecError, render
 from mooncake_k8s.operator.schema import DATA_ROLES, ROLES
@@ -559,7 +559,7 @@ def test_sglang_cpu_pods(make_cluster: Callable[..., Obj]) -> None:
         assert env["SGLANG_USE_CPU_ENGINE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
         assert env["OMP_NUM_THREADS"] == "2"  # the 1.5-CPU limit, rounded up
         assert not any(k.startswith("VLLM_") for k in env)
-        assert not any(is_gpu for is_gpu in map(pods.is_gpu_resource,
+        assert not any(is_gpu for is_gpu in map(pods_sizing.is_gpu_resource,
                                                 [*c["resources"].get("limits", {}),
                                                  *c["resources"].get("requests", {})]))
         want = {"grpc": naming.PORTS[role]["grpc"], "metrics": 9090, "pd-transfer": 7300}

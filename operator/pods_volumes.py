@@ -1,0 +1,213 @@
+"""The volumes and mounts of each role's pod, and the init containers that work on them: the
+model download fills the model volume, the RDMA probe leaves its record in the `run` volume,
+and the transfer sidecar (sglang) serves its socket there and stages KV in /dev/shm.
+
+Pure: `pods.py` calls `pod_volumes` once per role and puts the result into the pod; `pods_env`
+asks `model_source` where the model is mounted; `render.py` formats storage sizes with
+`quantity`. The sizes themselves come from `pods_sizing`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mooncake_k8s.operator import naming, pods_sizing
+from mooncake_k8s.operator.pods_context import (
+    CACHE_DIR,
+    MODEL_DIR,
+    RDMA_RECORD,
+    RUN_DIR,
+    SIDECAR_DIR,
+    SIDECAR_SOCKET,
+    SSD_DIR,
+    Ctx,
+    env_var,
+    security,
+)
+
+Obj = dict[str, Any]
+
+_DOWNLOAD = (
+    "import sys; from huggingface_hub import snapshot_download; "
+    "snapshot_download(repo_id=sys.argv[1], revision=sys.argv[2], local_dir=sys.argv[3])"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """Where the model comes from: the path the worker loads (MOONCAKE_MODEL; "" for the
+    built-in model) and what the pod needs for it to be there."""
+
+    path: str
+    volumes: list[Obj]
+    mounts: list[Obj]
+    init_containers: list[Obj]
+
+
+@dataclass(frozen=True, slots=True)
+class PodVolumes:
+    """A role's volumes, its main container's mounts, and its init containers, in pod order."""
+
+    volumes: list[Obj]
+    mounts: list[Obj]
+    init_containers: list[Obj]
+
+
+def quantity(value: int | str) -> str:
+    """A size (bytes or a quantity) in the one canonical form the renderer writes."""
+    return naming.format_bytes(naming.parse_bytes(value))
+
+
+def _join(root: str, sub: str) -> str:
+    return f"{root}/{sub}" if sub else root
+
+
+def _shm(size_bytes: int) -> tuple[Obj, Obj]:
+    vol = {"name": "dshm", "emptyDir": {"medium": "Memory",
+                                        "sizeLimit": naming.format_bytes(size_bytes)}}
+    return vol, {"name": "dshm", "mountPath": "/dev/shm"}
+
+
+def _scratch() -> tuple[list[Obj], list[Obj]]:
+    vols = [{"name": "tmp", "emptyDir": {}}, {"name": "cache", "emptyDir": {}}]
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}, {"name": "cache", "mountPath": CACHE_DIR}]
+    return vols, mounts
+
+
+def model_source(ctx: Ctx) -> ModelSource:
+    """The spec's model source (pvc, hostPath, image volume, Hugging Face download, or none)."""
+    m = ctx.spec["model"]
+    mount = {"name": "model", "mountPath": MODEL_DIR, "readOnly": True}
+    if "pvc" in m:
+        vol = {"name": "model", "persistentVolumeClaim": {"claimName": m["pvc"]["claimName"],
+                                                          "readOnly": True}}
+        return ModelSource(_join(MODEL_DIR, m["pvc"]["path"]), [vol], [mount], [])
+    if "hostPath" in m:
+        vol = {"name": "model", "hostPath": {"path": m["hostPath"]["path"],
+                                             "type": "Directory"}}
+        return ModelSource(MODEL_DIR, [vol], [mount], [])
+    if "image" in m:
+        vol = {"name": "model", "image": {"reference": m["image"]["reference"],
+                                          "pullPolicy": ctx.spec["imagePullPolicy"]}}
+        return ModelSource(_join(MODEL_DIR, m["image"]["path"]), [vol], [mount], [])
+    if "huggingFace" in m:
+        hf = m["huggingFace"]
+        vol = {"name": "model", "emptyDir": {"sizeLimit": quantity(hf["cacheSize"])}}
+        env = [env_var("HOME", "/tmp"), env_var("HF_HOME", f"{MODEL_DIR}/.hf")]
+        if "tokenSecret" in hf:
+            env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+                "name": hf["tokenSecret"]["name"], "key": hf["tokenSecret"]["key"]}}})
+        init = {
+            "name": "model-download",
+            "image": ctx.image("prefill"),
+            "imagePullPolicy": ctx.spec["imagePullPolicy"],
+            "command": ["python", "-c", _DOWNLOAD, hf["id"], hf["revision"], f"{MODEL_DIR}/hf"],
+            "env": env,
+            "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR},
+                             {"name": "tmp", "mountPath": "/tmp"}],
+            "securityContext": security(),
+        }
+        return ModelSource(f"{MODEL_DIR}/hf", [vol], [mount], [init])
+    return ModelSource("", [], [], [])
+
+
+def _rdma_probe(ctx: Ctx, role: str) -> Obj:
+    args = ["rdma-probe", "--output", RDMA_RECORD]
+    if ctx.spec["rdma"]["required"]:
+        args.append("--required")
+    rname, count = ctx.spec["rdma"]["resourceName"], ctx.spec["rdma"]["count"]
+    return {
+        "name": "rdma-probe",
+        "image": ctx.image(role),
+        "imagePullPolicy": ctx.spec["imagePullPolicy"],
+        "args": args,
+        # The kubelet keeps the last 4 KiB written here in the pod's status: the operator reads
+        # the probe's JSON record from there to report RDMAReady without exec'ing into pods.
+        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePolicy": "File",
+        "resources": {"limits": {rname: count, "cpu": "100m", "memory": "64Mi"}},
+        "volumeMounts": [{"name": "run", "mountPath": RUN_DIR}],
+        "securityContext": security(ctx.rdma_on(role)),
+    }
+
+
+def _sidecar(ctx: Ctx, role: str) -> Obj:
+    """The transfer sidecar as a native sidecar: an init container with restartPolicy Always
+    (Kubernetes 1.29+) starts, and passes its startup probe (the socket exists), before the
+    worker starts, and stops after the worker has."""
+    spec = ctx.spec
+    staging = pods_sizing.sidecar_staging_bytes(spec)
+
+    def socket_probe() -> Obj:  # fresh dicts: shared ones would print as YAML aliases
+        return {"exec": {"command": ["test", "-S", SIDECAR_SOCKET]}}
+
+    c: Obj = {
+        "name": "sidecar",
+        "image": ctx.image(role),
+        "imagePullPolicy": spec["imagePullPolicy"],
+        "restartPolicy": "Always",
+        "args": ["sidecar", "--socket", SIDECAR_SOCKET, "--master", ctx.master_addr,
+                 "--staging-size", str(staging)],
+        "env": [ctx.token_env(), env_var("MOONCAKE_LOG_LEVEL", spec["logLevel"]),
+                env_var("MOONCAKE_LOG_FORMAT", spec["logFormat"]), env_var("HOME", "/tmp"),
+                env_var("MOONCAKE_STORE_REPLICAS", spec["store"]["replicationFactor"])],
+        "volumeMounts": [{"name": "run", "mountPath": SIDECAR_DIR},
+                         {"name": "dshm", "mountPath": "/dev/shm"},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+        # The staging segment lives in /dev/shm and is charged to this container's memory.
+        "resources": {"requests": {"cpu": "100m",
+                                   "memory": naming.format_bytes(staging + 128 * pods_sizing.MIB)}},
+        "startupProbe": {**socket_probe(), "periodSeconds": 1, "timeoutSeconds": 5,
+                         "failureThreshold": 120},
+        "readinessProbe": {**socket_probe(), "periodSeconds": 10, "timeoutSeconds": 5,
+                           "failureThreshold": 3},
+        "securityContext": security(ctx.rdma_on(role)),
+    }
+    if ctx.rdma_on(role):  # the sidecar moves the pool's KV bytes: it needs the device too
+        rname, count = spec["rdma"]["resourceName"], spec["rdma"]["count"]
+        c["resources"]["limits"] = {rname: count}
+        c["resources"]["requests"][rname] = count
+    return c
+
+
+def pod_volumes(ctx: Ctx, role: str) -> PodVolumes:
+    """Everything the role's pod mounts, and the init containers, in the order the pod lists
+    them (the order is part of the rendered template, hence of the role's revision)."""
+    spec, rspec = ctx.spec, ctx.spec["roles"][role]
+    volumes, mounts = _scratch()
+    init: list[Obj] = []
+    size = pods_sizing.shm_bytes(spec, role)
+    if size is not None:
+        v, m = _shm(size)
+        volumes.append(v)
+        mounts.append(m)
+    sidecar = ctx.sidecar_on(role)
+    if ctx.rdma_on(role) or sidecar:
+        volumes.append({"name": "run", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}})
+        if sidecar:  # the worker connects to the sidecar's socket there
+            mounts.append({"name": "run", "mountPath": SIDECAR_DIR})
+        else:
+            mounts.append({"name": "run", "mountPath": RUN_DIR, "readOnly": True})
+    if ctx.rdma_on(role):  # first: it takes a second, the model download may take an hour
+        init.append(_rdma_probe(ctx, role))
+    if role in ("prefill", "decode"):
+        model = model_source(ctx)
+        volumes += model.volumes
+        mounts += model.mounts
+        init += model.init_containers
+    if sidecar:  # last: it starts right before the worker (and stops after it)
+        init.append(_sidecar(ctx, role))
+    if role == "store" and "ssd" in spec["store"]:
+        mounts.append({"name": "ssd", "mountPath": SSD_DIR})
+    if role == "conductor":
+        volumes.append({"name": "config", "configMap": {
+            "name": naming.name(ctx.cluster, "config")}})
+        mounts.append({"name": "config", "mountPath": "/etc/mooncake/cluster",
+                       "readOnly": True})
+        if rspec.get("apiKeysSecret"):
+            volumes.append({"name": "api-keys", "secret": {"secretName": rspec["apiKeysSecret"],
+                                                           "defaultMode": 0o440}})
+            mounts.append({"name": "api-keys", "mountPath": "/etc/mooncake/api-keys",
+                           "readOnly": True})
+    return PodVolumes(volumes, mounts, init)
