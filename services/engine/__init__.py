@@ -8,10 +8,18 @@ from __future__ import annotations
 
 from .engine import Engine, load_engine
 from .loading import BUILTIN_NAME, ModelLoadError
-from .structs import EngineConfig, EngineFull, PrefillResult, SamplingParams, StepOutput
+from .structs import (
+    BatchLoad,
+    EngineConfig,
+    EngineFull,
+    PrefillResult,
+    SamplingParams,
+    StepOutput,
+)
 
 __all__ = [
     "BUILTIN_NAME",
+    "BatchLoad",
     "Engine",
     "EngineConfig",
     "EngineFull",

@@ -32,7 +32,14 @@ from . import loading
 from .detokenizing import TextStream
 from .kvblocks import BlockCodec
 from .sampling import random_seed, sample_batch, sample_one
-from .structs import EngineConfig, EngineFull, PrefillResult, SamplingParams, StepOutput
+from .structs import (
+    BatchLoad,
+    EngineConfig,
+    EngineFull,
+    PrefillResult,
+    SamplingParams,
+    StepOutput,
+)
 from .transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -372,15 +379,15 @@ class Engine:
     def has_sequence(self, seq_id: str) -> bool:
         return seq_id in self._running
 
-    def load(self) -> dict[str, int]:
+    def load(self) -> BatchLoad:
         """What the scheduler needs to place the next request here."""
-        return {
-            "running": len(self._running),
-            "max_batch": self.config.max_batch,
-            "kv_used_tokens": self._kv_used,
-            "kv_free_tokens": self.kv_capacity_tokens - self._kv_used,
-            "kv_capacity_tokens": self.kv_capacity_tokens,
-        }
+        return BatchLoad(
+            running=len(self._running),
+            max_batch=self.config.max_batch,
+            kv_used_tokens=self._kv_used,
+            kv_free_tokens=self.kv_capacity_tokens - self._kv_used,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+        )
 
 
 def load_engine(config: EngineConfig | None = None, progress: bool = True) -> Engine:

@@ -175,3 +175,22 @@ class StepOutput:
     """Text delta; withholds a partial stop-string match until it resolves."""
     finished: bool
     finish_reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLoad:
+    """How full the engine's decode batch and KV budget are (`Engine.load`): what a scheduler
+    needs to place the next sequence here.
+
+    Not the services' `worker.api.EngineLoad`: that one is any engine kind's report, with the
+    worker's own queue (`waiting`); the worker builds it from this one.
+    """
+
+    running: int
+    """Sequences in the batch."""
+    max_batch: int
+    """Sequences the batch may hold (`EngineConfig.max_batch`)."""
+    kv_used_tokens: int
+    """KV tokens reserved by running sequences (each reserves its whole length at admission)."""
+    kv_free_tokens: int
+    kv_capacity_tokens: int

@@ -205,9 +205,9 @@ class EmbeddedDecode(_Embedded):
 
     def load(self) -> EngineLoad:
         load = self.engine.load()
-        return EngineLoad(running=load["running"], waiting=len(self._waiting),
-                          kv_free_tokens=load["kv_free_tokens"],
-                          kv_capacity_tokens=load["kv_capacity_tokens"])
+        return EngineLoad(running=load.running, waiting=len(self._waiting),
+                          kv_free_tokens=load.kv_free_tokens,
+                          kv_capacity_tokens=load.kv_capacity_tokens)
 
     def decode(self, work: DecodeWork, cancelled: threading.Event) -> Iterator[TokenOut]:
         with tracing.span("decode.load_kv", request_id=work.request_id):

@@ -23,7 +23,7 @@ def engine() -> Engine:
 def fresh(engine: Engine) -> Iterator[Engine]:
     """The session engine; the test must leave nothing running (checked, then cleaned)."""
     yield engine
-    running = engine.load()["running"]
+    running = engine.load().running
     for seq_id in list(engine._running):
         engine.abort(seq_id)
     assert running == 0, "a test left sequences running"

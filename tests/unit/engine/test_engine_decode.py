@@ -42,7 +42,7 @@ def test_sequences_joining_midway_get_the_same_greedy_tokens(fresh: Engine) -> N
             got[o.seq_id].append(o.token_id)
     assert max(batch_sizes) == 3, "all three must have run in one step together"
     assert [got[f"s{i}"] for i in range(3)] == alone
-    assert engine.load()["running"] == 0 and engine.load()["kv_used_tokens"] == 0
+    assert engine.load().running == 0 and engine.load().kv_used_tokens == 0
 
 
 def test_stop_string_truncates_and_ends(fresh: Engine) -> None:
@@ -114,7 +114,7 @@ def test_admission_limits_raise_engine_full(fresh: Engine) -> None:
         engine.add_sequence(f"b{i}", ids, blocks, res.first_token, params)
     with pytest.raises(EngineFull, match="max_batch"):
         engine.add_sequence("one-too-many", ids, blocks, res.first_token, params)
-    assert engine.load()["running"] == engine.config.max_batch
+    assert engine.load().running == engine.config.max_batch
     for i in range(engine.config.max_batch):
         engine.abort(f"b{i}")
     engine.abort("b0")  # idempotent
@@ -127,8 +127,8 @@ def test_admission_limits_raise_engine_full(fresh: Engine) -> None:
     for i in range(fits):
         engine.add_sequence(f"k{i}", long, all_blocks(res), res.first_token, big)
     load = engine.load()
-    assert load["kv_used_tokens"] == fits * per_seq
-    assert load["kv_free_tokens"] == engine.kv_capacity_tokens - fits * per_seq
+    assert load.kv_used_tokens == fits * per_seq
+    assert load.kv_free_tokens == engine.kv_capacity_tokens - fits * per_seq
     with pytest.raises(EngineFull, match="KV tokens"):
         engine.add_sequence("no-room", long, all_blocks(res), res.first_token, big)
     engine.abort("k0")
@@ -136,7 +136,7 @@ def test_admission_limits_raise_engine_full(fresh: Engine) -> None:
     for i in range(1, fits):
         engine.abort(f"k{i}")
     engine.abort("room")
-    assert engine.load()["kv_used_tokens"] == 0
+    assert engine.load().kv_used_tokens == 0
 
 
 def test_add_sequence_verifies_blocks(fresh: Engine) -> None:
@@ -153,7 +153,7 @@ def test_add_sequence_verifies_blocks(fresh: Engine) -> None:
                             GREEDY)
     with pytest.raises(InvalidArgument, match=r"needs 3 blocks \(2 full \+ 1 tail\), got 2"):
         engine.add_sequence("short", ids, blocks[:2], res.first_token, GREEDY)
-    assert engine.load()["running"] == 0 and engine.load()["kv_used_tokens"] == 0
+    assert engine.load().running == 0 and engine.load().kv_used_tokens == 0
     engine.add_sequence("ok", ids, blocks, res.first_token, GREEDY)
     with pytest.raises(InvalidArgument, match="already running"):
         engine.add_sequence("ok", ids, blocks, res.first_token, GREEDY)
