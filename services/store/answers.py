@@ -1,9 +1,12 @@
-"""How the store client reads the master's answers: replica locations, and statuses and
-per-item error codes turned into this project's exception types, in one place."""
+"""The store's errors on the wire, both ways, in one place: the `ErrorCode` (store.proto) an
+exception stands for (`code_of`, used by the master for its per-item answers) and the exception
+a code stands for (`code_error`, used by the client for statuses, trailers and per-item codes);
+and how the client reads the rest of the master's answers (replica locations)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -66,6 +69,15 @@ _BY_CODE: dict[int, type[StoreError] | type[InvalidArgument]] = {
     pb.ERROR_UNAVAILABLE: MasterUnavailable,
 }
 """The exception each `ErrorCode` stands for (anything else is a plain StoreError)."""
+_CODE_OF: tuple[tuple[type[Exception], pb.ErrorCode], ...] = (
+    (ObjectTooLarge, pb.ERROR_TOO_LARGE),  # first: it is an InvalidArgument too
+    (InvalidArgument, pb.ERROR_INVALID),
+    (NoSpace, pb.ERROR_NO_SPACE),
+    (ObjectExists, pb.ERROR_EXISTS),  # the master's PutSuperseded among them
+    (MasterUnavailable, pb.ERROR_UNAVAILABLE),
+)
+"""The `ErrorCode` of an exception, first match wins (the inverse of `_BY_CODE`); a store
+error that is also a LookupError is ERROR_NOT_FOUND (see `code_of`)."""
 _BY_STATUS: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.INVALID_ARGUMENT: pb.ERROR_INVALID,
     grpc.StatusCode.RESOURCE_EXHAUSTED: pb.ERROR_NO_SPACE,
@@ -81,6 +93,19 @@ _NAMES = frozenset(pb.ErrorCode.keys())
 def code_error(code: int, msg: str) -> StoreError | InvalidArgument:
     """The exception for an `ErrorCode`, with `msg`."""
     return _BY_CODE.get(code, StoreError)(msg)
+
+
+def code_of(e: Exception) -> pb.ErrorCode:
+    """The `ErrorCode` that names `e` on the wire: `code_error(code_of(e), msg)` is an
+    exception of the class `e` is read as. A store error that is also a LookupError
+    (ObjectNotFound, the master's PutNotFound and UnknownNode) is ERROR_NOT_FOUND; anything
+    unmapped is ERROR_INTERNAL."""
+    for cls, code in _CODE_OF:
+        if isinstance(e, cls):
+            return code
+    if isinstance(e, StoreError) and isinstance(e, LookupError):
+        return pb.ERROR_NOT_FOUND
+    return pb.ERROR_INTERNAL
 
 
 def rpc_error(e: grpc.RpcError, what: str) -> StoreError | InvalidArgument | AuthError:
@@ -113,18 +138,23 @@ def retryable(e: grpc.RpcError, method: str) -> bool:
     return RECOVERING_KEY in trailers_of(e)
 
 
-def end_error(key: str, code: str, message: str) -> StoreError:
-    if code == "EXISTS":
+def start_error(key: str, code: int, message: str) -> StoreError | InvalidArgument:
+    """The exception for one refused item of a BatchPutStart (`PutStartResult.code`)."""
+    return code_error(code, f"put {key!r}: {message}")
+
+
+def end_errors(keys: Sequence[str], resp: pb.BatchPutEndResponse) -> list[StoreError | None]:
+    """Per item of a BatchPutEnd for `keys`: None when it was published, else ObjectExists
+    (another put of the key ended first: it is stored) or a StoreError (put again). A master
+    that sends no codes (another version) has every failed item read as the latter."""
+    codes = list(resp.codes) or [pb.ERROR_NONE] * len(resp.errors)
+    return [
+        _end_error(key, code, msg) if msg else None
+        for key, msg, code in zip(keys, resp.errors, codes, strict=False)
+    ]
+
+
+def _end_error(key: str, code: int, message: str) -> StoreError:
+    if code == pb.ERROR_EXISTS:
         return ObjectExists(f"put {key!r}: {message}")
     return StoreError(f"publishing {key!r}: {message}")
-
-
-def start_error(key: str, code: str, message: str) -> StoreError | InvalidArgument:
-    text = f"put {key!r}: {message}"
-    if code == "NO_SPACE":
-        return NoSpace(text)
-    if code == "TOO_LARGE":
-        return ObjectTooLarge(text)
-    if code == "INVALID":
-        return InvalidArgument(text)
-    return StoreError(text)

@@ -52,7 +52,7 @@ from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.store.answers import (
     ObjectInfo,
     default_replicas,
-    end_error,
+    end_errors,
     located,
     location,
     retryable,
@@ -255,7 +255,7 @@ class StoreClient:
         pending: list[int] = []
         for i, res in enumerate(starts):
             if res.error:
-                results[i] = start_error(keys[i], res.error_code, res.error)
+                results[i] = start_error(keys[i], res.code, res.error)
                 continue
             if res.ok.exists:
                 how = "is being written by another client" if res.ok.in_progress else (
@@ -298,11 +298,7 @@ class StoreClient:
                 else:
                     batch = pb.BatchPutEndRequest(items=ends)
                     resp = self._call("BatchPutEnd", batch)
-                    codes = list(resp.error_codes) or [""] * len(resp.errors)
-                    errors = [
-                        end_error(keys[i], code, msg) if msg else None
-                        for i, msg, code in zip(written, resp.errors, codes, strict=False)
-                    ]
+                    errors = list(end_errors([keys[i] for i in written], resp))
             except ObjectExists as e:  # another put of the key ended first: it is stored
                 errors = [e]
             except StoreError as e:

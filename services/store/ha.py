@@ -71,9 +71,12 @@ if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return 1
 """
+_REFUSED = 0
+"""What `_FENCED` answers when the lease is not ours (it wrote nothing); 1 when it wrote. A
+typed answer: an error reply would be told apart from Redis's own errors only by its text."""
 # KEYS: leader. ARGV: own value, then (op, key, field, value) quadruples.
 _FENCED = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return redis.error_reply('FENCED') end
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 for i = 2, #ARGV, 4 do
   local op, k, f, v = ARGV[i], ARGV[i + 1], ARGV[i + 2], ARGV[i + 3]
   if op == 'hset' then redis.call('HSET', k, f, v)
@@ -285,13 +288,9 @@ class RedisCoordinator:
         args: list[Any] = [self._value]
         for op in ops:
             args.extend(op)
-        try:
-            self._fenced(keys=[self._k("leader")], args=args)
-        except redis.ResponseError as e:
-            if "FENCED" in str(e):
-                self._depose("a write found another master holding the lease")
-                raise Fenced("another master holds the lease") from e
-            raise
+        if self._fenced(keys=[self._k("leader")], args=args) == _REFUSED:
+            self._depose("a write found another master holding the lease")
+            raise Fenced("another master holds the lease")
 
     def journal_commits(self, entries: Iterable[JournalEntry]) -> None:
         """Record committed replicas; must succeed before the put is acknowledged."""

@@ -27,10 +27,12 @@ from collections.abc import Callable, Sequence
 from mooncake_k8s.common.errors import (
     InvalidArgument,
     NoSpace,
+    ObjectExists,
     ObjectTooLarge,
     StoreError,
 )
 from mooncake_k8s.common.rpc import store_pb2 as pb
+from mooncake_k8s.store.answers import code_of
 from mooncake_k8s.store.records import Obj, Pending, Rep, Segment, check_key, rep_pb
 
 log = logging.getLogger(__name__)
@@ -44,9 +46,10 @@ class PutNotFound(StoreError, LookupError):
     """The put id is unknown: never issued, already ended, revoked, or timed out."""
 
 
-class PutSuperseded(StoreError):
+class PutSuperseded(ObjectExists):
     """Another put of the same key ended first (this put's claim had lapsed); the object is
-    stored, this put's space is freed. For the writer that is as good as ObjectExists."""
+    stored, this put's space is freed. For the writer that is as good as ObjectExists, and
+    it answers as one (ERROR_EXISTS)."""
 
 
 #: A claim lasts put_claim_s plus the time to write the object's replicas at this rate, so a
@@ -175,6 +178,8 @@ class ClassicPuts:
                     rep.seg.alloc.free(rep.offset, put.size)
 
     def batch_put_start(self, items: Sequence[pb.PutStartRequest]) -> list[pb.PutStartResult]:
+        """`put_start` of each item; a refusal (too large, invalid, no space) is answered in
+        the item's result with its `ErrorCode`, anything else fails the call."""
         out = []
         for it in items:
             try:
@@ -183,34 +188,22 @@ class ClassicPuts:
                     it.client_host_id,
                 )
                 out.append(pb.PutStartResult(ok=ok))
-            except ObjectTooLarge as e:
-                out.append(pb.PutStartResult(error=str(e), error_code="TOO_LARGE"))
-            except InvalidArgument as e:
-                out.append(pb.PutStartResult(error=str(e), error_code="INVALID"))
-            except NoSpace as e:
-                out.append(pb.PutStartResult(error=str(e), error_code="NO_SPACE"))
+            except (InvalidArgument, NoSpace) as e:  # ObjectTooLarge is an InvalidArgument
+                out.append(pb.PutStartResult(error=str(e), code=code_of(e)))
         return out
 
     def batch_put_end(self, items: Sequence[pb.PutEndRequest]) -> pb.BatchPutEndResponse:
-        """`put_end` of each item; an error message and code per item ("" when it ended)."""
+        """`put_end` of each item; an error message and `ErrorCode` per item ("" and
+        ERROR_NONE when it ended): ERROR_EXISTS when superseded, ERROR_NOT_FOUND for an unknown
+        put, ERROR_INVALID."""
         errors: list[str] = []
-        codes: list[str] = []
+        codes: list[pb.ErrorCode] = []
         for it in items:
-            code = ""
             try:
                 self.put_end(it.key, it.put_id, it.checksum)
                 errors.append("")
-            except PutSuperseded as e:
+                codes.append(pb.ERROR_NONE)
+            except (StoreError, InvalidArgument) as e:
                 errors.append(str(e))
-                code = "EXISTS"
-            except PutNotFound as e:
-                errors.append(str(e))
-                code = "NOT_FOUND"
-            except StoreError as e:
-                errors.append(str(e))
-                code = "ERROR"
-            except InvalidArgument as e:
-                errors.append(str(e))
-                code = "INVALID"
-            codes.append(code)
-        return pb.BatchPutEndResponse(errors=errors, error_codes=codes)
+                codes.append(code_of(e))
+        return pb.BatchPutEndResponse(errors=errors, codes=codes)

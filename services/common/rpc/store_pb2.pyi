@@ -267,14 +267,14 @@ class BatchPutStartRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[PutStartRequest, _Mapping]]] = ...) -> None: ...
 
 class PutStartResult(_message.Message):
-    __slots__ = ("ok", "error", "error_code")
+    __slots__ = ("ok", "error", "code")
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
-    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
     ok: PutStartResponse
     error: str
-    error_code: str
-    def __init__(self, ok: _Optional[_Union[PutStartResponse, _Mapping]] = ..., error: _Optional[str] = ..., error_code: _Optional[str] = ...) -> None: ...
+    code: ErrorCode
+    def __init__(self, ok: _Optional[_Union[PutStartResponse, _Mapping]] = ..., error: _Optional[str] = ..., code: _Optional[_Union[ErrorCode, str]] = ...) -> None: ...
 
 class BatchPutStartResponse(_message.Message):
     __slots__ = ("results",)
@@ -289,12 +289,12 @@ class BatchPutEndRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[PutEndRequest, _Mapping]]] = ...) -> None: ...
 
 class BatchPutEndResponse(_message.Message):
-    __slots__ = ("errors", "error_codes")
+    __slots__ = ("errors", "codes")
     ERRORS_FIELD_NUMBER: _ClassVar[int]
-    ERROR_CODES_FIELD_NUMBER: _ClassVar[int]
+    CODES_FIELD_NUMBER: _ClassVar[int]
     errors: _containers.RepeatedScalarFieldContainer[str]
-    error_codes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, errors: _Optional[_Iterable[str]] = ..., error_codes: _Optional[_Iterable[str]] = ...) -> None: ...
+    codes: _containers.RepeatedScalarFieldContainer[ErrorCode]
+    def __init__(self, errors: _Optional[_Iterable[str]] = ..., codes: _Optional[_Iterable[_Union[ErrorCode, str]]] = ...) -> None: ...
 
 class SpaceLeaseRequest(_message.Message):
     __slots__ = ("size", "min_size", "replicas", "placement", "preferred_segment", "client_host_id")

@@ -101,7 +101,7 @@ def test_put_lookup_remove_round_trip(server: MasterServer, stub: pb_grpc.Master
                                 + [pb.PutStartRequest(key="", size=1)]),
         metadata=MD,
     )
-    assert [r.error_code for r in bs.results] == ["", "", "", "INVALID"]
+    assert [r.code for r in bs.results] == [pb.ERROR_NONE] * 3 + [pb.ERROR_INVALID]
     be = stub.BatchPutEnd(
         pb.BatchPutEndRequest(items=[pb.PutEndRequest(key=f"b{i}", put_id=r.ok.put_id, checksum=1)
                                      for i, r in enumerate(bs.results[:3])]),

@@ -141,13 +141,14 @@ def test_batch_forms(clock: Clock) -> None:
         pb.PutStartRequest(key="z", size=60 * KiB),
         pb.PutStartRequest(key="w", size=60 * KiB),
     ])
-    assert [r.error_code for r in res] == ["", "INVALID", "TOO_LARGE", "", "NO_SPACE"]
+    assert [r.code for r in res] == [
+        pb.ERROR_NONE, pb.ERROR_INVALID, pb.ERROR_TOO_LARGE, pb.ERROR_NONE, pb.ERROR_NO_SPACE]
     ends = st.batch_put_end([
         pb.PutEndRequest(key="x", put_id=res[0].ok.put_id, checksum=1),
         pb.PutEndRequest(key="q", put_id=999999),
     ])
     assert ends.errors[0] == "" and "unknown" in ends.errors[1]
-    assert list(ends.error_codes) == ["", "NOT_FOUND"]
+    assert list(ends.codes) == [pb.ERROR_NONE, pb.ERROR_NOT_FOUND]
     assert st.exists(["x", "z"]) == ([True, False], 1)
 
 

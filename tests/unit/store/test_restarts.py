@@ -161,7 +161,7 @@ def test_slow_writer_after_its_claim_lapsed_is_superseded(clock: Clock) -> None:
         st.put_end("k", slow.put_id, 7)
     assert used(st, "a-dram-0") == KiB  # the loser's space is freed at once
     ends = st.batch_put_end([pb.PutEndRequest(key="k", put_id=fast.put_id, checksum=7)])
-    assert list(ends.error_codes) == ["NOT_FOUND"]
+    assert list(ends.codes) == [pb.ERROR_NOT_FOUND]
 
 
 def test_old_put_may_still_win_after_its_claim_lapsed(clock: Clock) -> None:
@@ -172,7 +172,7 @@ def test_old_put_may_still_win_after_its_claim_lapsed(clock: Clock) -> None:
     second = st.put_start("k", KiB)
     st.put_end("k", first.put_id, 1)  # the first one ends first: it publishes
     ends = st.batch_put_end([pb.PutEndRequest(key="k", put_id=second.put_id, checksum=1)])
-    assert list(ends.error_codes) == ["EXISTS"]
+    assert list(ends.codes) == [pb.ERROR_EXISTS]
     assert st.put_start("k", KiB).exists and used(st, "a-dram-0") == KiB
 
 
