@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from mooncake_k8s.common.blocks import KeyNamespace, block_keys
-from mooncake_k8s.conductor import costmodel
-from mooncake_k8s.conductor.admission import SLO, AdmissionConfig
-from mooncake_k8s.conductor.kvindex import KVIndex
-from mooncake_k8s.conductor.policies import (
+from mooncake_k8s.conductor.sched import costmodel
+from mooncake_k8s.conductor.sched.admission import SLO, AdmissionConfig
+from mooncake_k8s.conductor.sched.kvindex import KVIndex
+from mooncake_k8s.conductor.sched.scheduler import (
     DecodeView,
     Demand,
     PrefillView,

@@ -1,6 +1,6 @@
 """The operator's `mooncake` subcommands: render, operator, rdma-probe and crds.
 
-`services/cli.py` adds these to the main group. Everything heavy (kopf, jsonschema, the CEL
+`services/cli/main.py` adds these to the main group. Everything heavy (kopf, jsonschema, the CEL
 interpreter) is imported inside the command that needs it, so `mooncake --help` and
 `mooncake operator --help` stay fast and work without those packages.
 """

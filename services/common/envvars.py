@@ -3,7 +3,7 @@
 Every `mooncake` option that takes an environment variable declares it on the option itself
 (`envvar=`, shown by `--help`); those are found by walking the command tree. What follows are
 the variables code reads directly, each with the module that reads it and why it is not an
-option. `docs/environment.md` is generated from both (`python -m mooncake_k8s.envdoc`), and a
+option. `docs/environment.md` is generated from both (`python -m mooncake_k8s.cli.envdoc`), and a
 test checks that every variable the operator renders into a pod has a reader here or among the
 options, and that the document is current.
 """
@@ -25,7 +25,7 @@ READ_DIRECTLY: tuple[EnvVar, ...] = (
            "Copies each put makes unless it says otherwise (1..8); what the operator renders "
            "from store.replicationFactor. Read by every StoreClient, so it reaches the engines' "
            "plug-ins in their child processes too (workers also take --store-replicas)."),
-    EnvVar("MOONCAKE_ENGINE_ARGS", "services/cli_serving.py",
+    EnvVar("MOONCAKE_ENGINE_ARGS", "services/cli/serving.py",
            "Extra engine arguments as one shell-quoted string (vLLM/SGLang workers); joined "
            "with --engine-arg and the arguments after `--`."),
     EnvVar("MOONCAKE_CLUSTER_TOKEN", "services/engine/sglang/server.py",

@@ -11,16 +11,18 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from mooncake_k8s.conductor import costmodel
-from mooncake_k8s.conductor.admission import SLO, AdmissionConfig
-from mooncake_k8s.conductor.api import Frontend, load_api_keys, make_app, max_token_bytes
-from mooncake_k8s.conductor.bodies import EdgeLimits
-from mooncake_k8s.conductor.instances import InstancePool
-from mooncake_k8s.conductor.kvindex import IndexFeeder, KVIndex
-from mooncake_k8s.conductor.listener import HeaderDeadlines
+from mooncake_k8s.conductor.http.api import Frontend, load_api_keys, make_app, max_token_bytes
+from mooncake_k8s.conductor.http.bodies import EdgeLimits
+from mooncake_k8s.conductor.http.listener import HeaderDeadlines
 from mooncake_k8s.conductor.metrics import ConductorMetrics
-from mooncake_k8s.conductor.pipeline import Pipeline
-from mooncake_k8s.conductor.policies import MooncakeRouter, Scheduler, SchedulerConfig
+from mooncake_k8s.conductor.sched import costmodel
+from mooncake_k8s.conductor.sched.admission import SLO, AdmissionConfig
+from mooncake_k8s.conductor.sched.kvindex import KVIndex
+from mooncake_k8s.conductor.sched.scheduler import Scheduler, SchedulerConfig
+from mooncake_k8s.conductor.serving.indexfeed import IndexFeeder
+from mooncake_k8s.conductor.serving.instances import InstancePool
+from mooncake_k8s.conductor.serving.pipeline import Pipeline
+from mooncake_k8s.conductor.serving.router import MooncakeRouter
 from mooncake_k8s.store.client import StoreClient
 
 if TYPE_CHECKING:

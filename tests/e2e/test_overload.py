@@ -26,7 +26,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from mooncake_k8s.conductor import costmodel
+from mooncake_k8s.conductor.sched import costmodel
 from mooncake_k8s.up import LocalCluster, UpConfig
 
 TTFT_SLO_MS = 4000.0

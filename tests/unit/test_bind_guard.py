@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 import pytest
 
-from mooncake_k8s.cliopts import _check_bind, any_address, bind_addresses
+from mooncake_k8s.cli.options import _check_bind, any_address, bind_addresses
 
 ANY_V4 = ["0.0.0.0", "0", "00", "0x0", "0.0", "000.000.000.000", "", "*", " 0.0.0.0 "]
 ANY_V6 = ["::", "::0", "0::", "0:0:0:0:0:0:0:0", "0000:0000::0000", "[::]", "::%lo",

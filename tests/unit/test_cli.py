@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from mooncake_k8s.cli import main
-from mooncake_k8s.cliopts import parse_size
+from mooncake_k8s.cli.options import parse_size
 
 
 @pytest.mark.parametrize(
@@ -59,7 +59,7 @@ def test_embedded_engine_refuses_pass_through_arguments() -> None:
 
 def test_engine_args_come_from_env_flags_and_after_dashes(monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
-    from mooncake_k8s.cli_serving import engine_args
+    from mooncake_k8s.cli.serving import engine_args
 
     monkeypatch.setenv("MOONCAKE_ENGINE_ARGS", "--dtype bfloat16 --served-model-name 'a b'")
     got = engine_args({"engine_args": ("--enforce-eager",), "engine_argv": ("--seed", "3")})

@@ -9,8 +9,8 @@ from pathlib import Path
 import yaml
 
 from mooncake_k8s.cli import main
+from mooncake_k8s.cli.envdoc import markdown, option_vars
 from mooncake_k8s.common.envvars import READ_DIRECTLY, RENDERED_FOR_SUBSTITUTION
-from mooncake_k8s.envdoc import markdown, option_vars
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests/unit/operator/golden"
@@ -57,7 +57,7 @@ def test_environment_doc_is_current() -> None:
     doc = (REPO / "docs/environment.md").read_text()
     assert doc == markdown(), (
         "docs/environment.md is out of date: run "
-        "`python -m mooncake_k8s.envdoc > docs/environment.md`")
+        "`python -m mooncake_k8s.cli.envdoc > docs/environment.md`")
 
 
 def test_every_variable_read_is_documented() -> None:

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 from aiohttp import web
 
-from mooncake_k8s.conductor.listener import HeaderDeadlines
+from mooncake_k8s.conductor.http.listener import HeaderDeadlines
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -143,5 +143,6 @@ def test_an_unparseable_request_gets_an_openai_error_and_an_info_line(
     with caplog.at_level(logging.INFO):
         _run(body)
     records = [(r.name, r.levelname, r.getMessage(), r.exc_info) for r in caplog.records]
-    assert ("mooncake_k8s.conductor.listener", "INFO", "malformed HTTP request", None) in records
+    want = ("mooncake_k8s.conductor.http.listener", "INFO", "malformed HTTP request", None)
+    assert want in records
     assert not [r for r in records if r[1] in ("ERROR", "WARNING")], records

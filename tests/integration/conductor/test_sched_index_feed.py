@@ -8,7 +8,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from mooncake_k8s.conductor.kvindex import IndexFeeder, KVIndex
+from mooncake_k8s.conductor.sched.kvindex import KVIndex
+from mooncake_k8s.conductor.serving.indexfeed import IndexFeeder
 from mooncake_k8s.store.testing import StoreCluster
 
 pytestmark = pytest.mark.timeout(120)

@@ -8,8 +8,8 @@ import grpc
 import pytest
 
 from mooncake_k8s.common.rpc import serving_pb2 as pb
-from mooncake_k8s.conductor.instances import Instance
-from mooncake_k8s.conductor.resume import (
+from mooncake_k8s.conductor.serving.instances import Instance
+from mooncake_k8s.conductor.serving.resume import (
     DecodeLost,
     resume_candidates,
     resume_request_id,

@@ -18,9 +18,9 @@ import pytest
 from click.testing import CliRunner
 
 from mooncake_k8s.cli import main
-from mooncake_k8s.conductor import analyze
-from mooncake_k8s.conductor.costmodel import CostModel, Decode, Link, Prefill
-from mooncake_k8s.conductor.sim.trace import TraceRequest
+from mooncake_k8s.conductor.sched.costmodel import CostModel, Decode, Link, Prefill
+from mooncake_k8s.conductor.tools import analyze
+from mooncake_k8s.conductor.tools.sim.trace import TraceRequest
 
 TRACE = [
     TraceRequest(0.0, 8, 1, (1, 2)),

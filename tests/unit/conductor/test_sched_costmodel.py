@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from mooncake_k8s.conductor import costmodel
-from mooncake_k8s.conductor.costmodel import CostModelError
+from mooncake_k8s.conductor.sched import costmodel
+from mooncake_k8s.conductor.sched.costmodel import CostModelError
 
 
 def test_default_profile_loads_and_is_physical() -> None:

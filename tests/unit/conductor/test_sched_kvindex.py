@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.conductor.kvindex import (
+from mooncake_k8s.conductor.sched.kvindex import (
     DRAM,
     EVICTED,
     PROMOTED,

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from mooncake_k8s.conductor.admission import SLO, AdmissionConfig, DecodeLedger, judge
-from mooncake_k8s.conductor.costmodel import CostModel, Decode, Link, Prefill
-from mooncake_k8s.conductor.kvindex import KVIndex
-from mooncake_k8s.conductor.policies import (
+from mooncake_k8s.conductor.sched.admission import SLO, AdmissionConfig, DecodeLedger, judge
+from mooncake_k8s.conductor.sched.costmodel import CostModel, Decode, Link, Prefill
+from mooncake_k8s.conductor.sched.kvindex import KVIndex
+from mooncake_k8s.conductor.sched.scheduler import (
     DecodeView,
     Demand,
     PrefillView,
@@ -227,9 +227,10 @@ def test_ledger_predicts_future_load() -> None:
 
 
 def test_overloaded_is_a_429_with_retry_after() -> None:
-    from mooncake_k8s.conductor.admission import Overloaded, Verdict
+    from mooncake_k8s.conductor.http.errors import api_error
+    from mooncake_k8s.conductor.sched.admission import Overloaded, Verdict
 
-    e = Overloaded(Verdict(False, "ttft", 7, -1500.0), "batch")
+    e = api_error(Overloaded(Verdict(False, "ttft", 7, -1500.0), "batch"))
     assert e.status == 429 and e.headers == {"Retry-After": "7"}
     body = e.body()["error"]
     assert body["code"] == "slo_ttft" and body["type"] == "rate_limit_error"
@@ -237,7 +238,7 @@ def test_overloaded_is_a_429_with_retry_after() -> None:
 
 
 def test_cli_policy_choices_match_the_scheduler() -> None:
-    from mooncake_k8s.cli_serving import SCHED_POLICIES
-    from mooncake_k8s.conductor.policies import POLICIES
+    from mooncake_k8s.cli.serving import SCHED_POLICIES
+    from mooncake_k8s.conductor.sched.scheduler import POLICIES
 
     assert SCHED_POLICIES == POLICIES

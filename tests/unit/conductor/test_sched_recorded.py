@@ -21,10 +21,10 @@ import random
 from pathlib import Path
 from typing import Any
 
-from mooncake_k8s.conductor.admission import SLO, AdmissionConfig, DecodeLedger
-from mooncake_k8s.conductor.costmodel import CostModel, Decode, Link, Prefill
-from mooncake_k8s.conductor.kvindex import SSD, KVIndex
-from mooncake_k8s.conductor.policies import (
+from mooncake_k8s.conductor.sched.admission import SLO, AdmissionConfig, DecodeLedger
+from mooncake_k8s.conductor.sched.costmodel import CostModel, Decode, Link, Prefill
+from mooncake_k8s.conductor.sched.kvindex import SSD, KVIndex
+from mooncake_k8s.conductor.sched.scheduler import (
     POLICIES,
     Decision,
     DecodeView,
@@ -32,7 +32,7 @@ from mooncake_k8s.conductor.policies import (
     PrefillView,
     Scheduler,
     SchedulerConfig,
-    _least_loaded,
+    least_loaded,
 )
 
 RECORDING = Path(__file__).with_name("sched_decisions.json")
@@ -226,7 +226,7 @@ def test_pruned_decode_ranking_matches_a_full_scan() -> None:
                    for s in rng.sample(range(n + 2), k=n)]
         need = rng.choice([10, 400, 1_200])
         want = _full_scan(decodes, ledger, ps, pc, dcap, need)
-        assert _least_loaded(decodes, ledger, dcap, need) == want, case
+        assert least_loaded(decodes, ledger, dcap, need) == want, case
 
 
 if __name__ == "__main__":

@@ -11,11 +11,11 @@ import pytest
 from click.testing import CliRunner
 
 from mooncake_k8s.cli import main
-from mooncake_k8s.conductor import costmodel
-from mooncake_k8s.conductor.policies import POLICIES
-from mooncake_k8s.conductor.sim import replay, trace
-from mooncake_k8s.conductor.sim.cluster import tbt_of
-from mooncake_k8s.conductor.sim.trace import TraceRequest
+from mooncake_k8s.conductor.sched import costmodel
+from mooncake_k8s.conductor.sched.scheduler import POLICIES
+from mooncake_k8s.conductor.tools.sim import replay, trace
+from mooncake_k8s.conductor.tools.sim.cluster import tbt_of
+from mooncake_k8s.conductor.tools.sim.trace import TraceRequest
 
 
 def conversations(n: int = 400, seed: int = 0, gap_ms: float = 400.0) -> list[TraceRequest]:

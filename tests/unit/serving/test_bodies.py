@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from mooncake_k8s.conductor.bodies import EdgeLimits, check_json_value, decode_json
-from mooncake_k8s.conductor.protocol import ApiError
+from mooncake_k8s.conductor.http.bodies import EdgeLimits, check_json_value, decode_json
+from mooncake_k8s.conductor.http.protocol import ApiError
 
 DEPTH = 64
 

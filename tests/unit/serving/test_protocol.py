@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from mooncake_k8s.conductor.api import load_api_keys
-from mooncake_k8s.conductor.protocol import ApiError, ChatRequest, CompletionRequest, parse
+from mooncake_k8s.conductor.http.api import load_api_keys
+from mooncake_k8s.conductor.http.protocol import ApiError, ChatRequest, CompletionRequest, parse
 
 MSG = [{"role": "user", "content": "hi"}]
 

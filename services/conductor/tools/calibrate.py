@@ -34,7 +34,7 @@ import aiohttp
 import numpy as np
 
 from mooncake_k8s.common.defaults import BLOCK_TOKENS
-from mooncake_k8s.conductor.costmodel import (
+from mooncake_k8s.conductor.sched.costmodel import (
     CostModel,
     CostModelError,
     Decode,

@@ -27,11 +27,18 @@ import grpc
 
 from mooncake_k8s.common import tracing
 from mooncake_k8s.common.rpc import serving_pb2 as pb
-from mooncake_k8s.conductor.admission import Overloaded
-from mooncake_k8s.conductor.instances import Instance, InstancePool
 from mooncake_k8s.conductor.metrics import ConductorMetrics
-from mooncake_k8s.conductor.protocol import ApiError
-from mooncake_k8s.conductor.resume import (
+from mooncake_k8s.conductor.sched.admission import Overloaded
+from mooncake_k8s.conductor.serving.errors import (
+    DecodeFailed,
+    NoCapacity,
+    NothingToResume,
+    UpstreamFailed,
+    WorkerFailed,
+    WorkerRefused,
+)
+from mooncake_k8s.conductor.serving.instances import Instance, InstancePool
+from mooncake_k8s.conductor.serving.resume import (
     DecodeLost,
     resume_candidates,
     resume_request_id,
@@ -39,7 +46,7 @@ from mooncake_k8s.conductor.resume import (
     resumed_sampling,
     with_seed,
 )
-from mooncake_k8s.conductor.scheduler import NoCapacity, Route, Router, RouteRequest, pick_decode
+from mooncake_k8s.conductor.serving.router import Route, Router, RouteRequest, pick_decode
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +135,7 @@ class Pipeline:
         try:
             sampling = resumed_sampling(gen.sampling, len(streamed))
         except ValueError as e:  # the stream had produced everything: nothing to resume
-            raise ApiError(502, f"{lost}: {e}", type_="server_error",
-                           code="decode_failed") from e
+            raise NothingToResume(f"{lost}: {e}") from e
         return replace(gen, request_id=resume_request_id(gen.request_id, resume),
                        token_ids=resumed_prompt(gen.token_ids, streamed), sampling=sampling)
 
@@ -173,8 +179,7 @@ class Pipeline:
         if lost is not None:
             raise self._resume_failed(lost, f"resuming failed after {self.attempts} attempts: "
                                             f"{last_error}")
-        raise ApiError(503, f"request failed after {self.attempts} attempts: {last_error}",
-                       type_="server_error", code="upstream_failed")
+        raise UpstreamFailed(f"request failed after {self.attempts} attempts: {last_error}")
 
     async def _route(self, gen: Generation, lost: DecodeLost | None, attempt: int,
                      last_error: str) -> Route:
@@ -195,7 +200,7 @@ class Pipeline:
             if lost is not None:
                 raise self._resume_failed(lost, str(e)) from e
             why = f"{e} (last failure: {last_error})" if attempt else str(e)
-            raise ApiError(503, why, type_="server_error", code="no_capacity") from e
+            raise NoCapacity(why) from e
         except Overloaded:
             if lost is None:
                 raise
@@ -233,14 +238,14 @@ class Pipeline:
 
     def _lost(self, inst: Instance, e: grpc.aio.AioRpcError) -> DecodeLost:
         """A decode failure after the client saw output (an error no other instance would
-        answer differently, such as INVALID_ARGUMENT, raises ApiError instead)."""
+        answer differently, such as INVALID_ARGUMENT, raises WorkerRefused instead)."""
         msg = self._fail(self.decodes, inst, e)
         return DecodeLost(inst, f"decode instance {inst.instance_id} failed mid-stream: {msg}")
 
-    def _resume_failed(self, lost: DecodeLost, why: str) -> ApiError:
+    def _resume_failed(self, lost: DecodeLost, why: str) -> DecodeFailed:
         if self.metrics is not None:
             self.metrics.resumes.labels("failed").inc()
-        return ApiError(503, f"{lost}; {why}", type_="server_error", code="decode_failed")
+        return DecodeFailed(f"{lost}; {why}")
 
     async def _paired(self, gen: Generation, route: Route, attempt: int, addr: str,
                       out: Outcome, lost: DecodeLost | None) -> AsyncGenerator[Delta, None]:
@@ -286,9 +291,9 @@ class Pipeline:
     def _fail(self, pool: InstancePool, inst: Instance, e: grpc.aio.AioRpcError) -> str:
         msg = f"{pool.role} {inst.instance_id}: {e.code().name}: {e.details()}"
         if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-            raise ApiError(400, e.details() or "invalid request") from e
+            raise WorkerRefused(e.details() or "invalid request") from e
         if e.code() not in _RETRYABLE:
-            raise ApiError(502, msg, type_="server_error") from e
+            raise WorkerFailed(msg) from e
         if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
             pool.mark_failed(inst, msg)
         log.warning("attempt failed", extra={"error": msg})

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from mooncake_k8s.cliopts import MASTERS, SIZE, _token_opt
+from mooncake_k8s.cli.options import MASTERS, SIZE, _token_opt
 from mooncake_k8s.common.defaults import BLOCK_TOKENS
 
 
@@ -25,7 +25,7 @@ def _fail(msg: str) -> None:
 
 
 def _load_trace(path: str, limit: int | None) -> Any:
-    from mooncake_k8s.conductor.sim import trace
+    from mooncake_k8s.conductor.tools.sim import trace
 
     try:
         return trace.load(path, limit=limit)
@@ -34,7 +34,7 @@ def _load_trace(path: str, limit: int | None) -> Any:
 
 
 def _load_model(spec: str | None) -> Any:
-    from mooncake_k8s.conductor import costmodel
+    from mooncake_k8s.conductor.sched import costmodel
 
     try:
         return costmodel.load(spec)
@@ -95,9 +95,9 @@ def replay(trace_path: str, json_out: str | None, policies: str | None, er: str,
            ttft_slo_ms: float, tbt_slo_ms: float, rate_scale: str, profile: str | None,
            noise: float, seed: int, limit: int | None) -> None:
     """Replay a Mooncake-format trace against a simulated cluster, policy by policy."""
-    from mooncake_k8s.conductor.policies import POLICIES
-    from mooncake_k8s.conductor.sim import replay as rp
-    from mooncake_k8s.conductor.sim.trace import TraceError, infer_block_tokens
+    from mooncake_k8s.conductor.sched.scheduler import POLICIES
+    from mooncake_k8s.conductor.tools.sim import replay as rp
+    from mooncake_k8s.conductor.tools.sim.trace import TraceError, infer_block_tokens
 
     pols = [p.strip() for p in policies.split(",")] if policies else list(POLICIES)
     bad = [p for p in pols if p not in POLICIES]
@@ -171,8 +171,8 @@ def analyze(trace_path: str, json_out: str | None, plot_out: str | None,
     """Measure a trace's prefix reuse: hit rate vs capacity, TTFT saving, break-even."""
     from dataclasses import replace
 
-    from mooncake_k8s.conductor import analyze as an
-    from mooncake_k8s.conductor.sim.trace import TraceError, infer_block_tokens
+    from mooncake_k8s.conductor.tools import analyze as an
+    from mooncake_k8s.conductor.tools.sim.trace import TraceError, infer_block_tokens
 
     reqs = _load_trace(trace_path, limit)
     model = _load_model(profile)
@@ -224,7 +224,7 @@ def calibrate(url: str, api_key: str | None, model: str | None, out: str, master
               token: str, kv_bytes_per_token: int | None, block_tokens: int, lengths: str,
               batches: str, decode_tokens: int, repeats: int, name: str) -> None:
     """Measure a running deployment and write the cost model the Conductor loads."""
-    from mooncake_k8s.conductor import calibrate as cal
+    from mooncake_k8s.conductor.tools import calibrate as cal
 
     cfg = cal.CalibrateConfig(
         url=url.rstrip("/"), api_key=api_key, model=model,

@@ -13,8 +13,7 @@ import sys
 
 import click
 
-from mooncake_k8s.cli_sidecar import sidecar as _sidecar_command
-from mooncake_k8s.cliopts import (  # noqa: F401 (re-exported for tests and plugins)
+from mooncake_k8s.cli.options import (  # noqa: F401 (re-exported for tests and plugins)
     MASTERS,
     SIZE,
     SizeType,
@@ -24,6 +23,7 @@ from mooncake_k8s.cliopts import (  # noqa: F401 (re-exported for tests and plug
     _with_logs,
     parse_size,
 )
+from mooncake_k8s.cli.sidecar import sidecar as _sidecar_command
 
 
 @click.group()
@@ -223,8 +223,8 @@ def store_demo(size: int) -> None:
 
 
 def _register_serving() -> None:
-    from mooncake_k8s.cli_sched import COMMANDS as SCHED_COMMANDS
-    from mooncake_k8s.cli_serving import COMMANDS
+    from mooncake_k8s.cli.sched import COMMANDS as SCHED_COMMANDS
+    from mooncake_k8s.cli.serving import COMMANDS
 
     for command in [*COMMANDS, *SCHED_COMMANDS]:
         main.add_command(command)
@@ -242,7 +242,3 @@ def _register_operator() -> None:
 
 _register_operator()
 main.add_command(_sidecar_command)
-
-
-if __name__ == "__main__":
-    main()

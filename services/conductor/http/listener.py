@@ -27,7 +27,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_request import BaseRequest
 
-from mooncake_k8s.conductor.protocol import ApiError
+from mooncake_k8s.conductor.http.protocol import ApiError
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from mooncake_k8s.common.errors import MooncakeError
 from mooncake_k8s.common.rpc import serving_pb2 as pb
-from mooncake_k8s.conductor.instances import Instance
+from mooncake_k8s.conductor.serving.instances import Instance
 
 INT63 = (1 << 63) - 1
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from mooncake_k8s.cliopts import MASTERS, SIZE, _token_opt, _warn_no_token, _with_logs
+from mooncake_k8s.cli.options import MASTERS, SIZE, _token_opt, _warn_no_token, _with_logs
 
 
 @click.command("sidecar")

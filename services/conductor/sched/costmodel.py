@@ -170,7 +170,7 @@ def _decode_of(d: Mapping[str, Any]) -> Decode:
 
 def profiles() -> list[str]:
     """Names of the profiles shipped with the package."""
-    root = resources.files("mooncake_k8s.conductor") / "profiles"
+    root = resources.files("mooncake_k8s.conductor.sched") / "profiles"
     return sorted(e.name.rsplit(".", 1)[0] for e in root.iterdir() if e.name.endswith(".json"))
 
 
@@ -200,7 +200,7 @@ def load(spec: str | Path | None = None) -> CostModel:
         except OSError as e:
             raise CostModelError(f"cannot read cost model {spec!r}: {e}") from e
     else:
-        res = resources.files("mooncake_k8s.conductor") / "profiles" / f"{spec}.json"
+        res = resources.files("mooncake_k8s.conductor.sched") / "profiles" / f"{spec}.json"
         if not res.is_file():
             raise CostModelError(f"no cost model {spec!r}: not a file, and not a shipped "
                                  f"profile ({', '.join(profiles())})")

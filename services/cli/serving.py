@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import click
 
-from mooncake_k8s.cliopts import (
+from mooncake_k8s.cli.options import (
     MASTERS,
     SIZE,
     _check_bind,
@@ -223,7 +223,7 @@ def decode(local_segment_size: int, **o: Any) -> None:
     _worker("decode", o, local_segment_size=local_segment_size)
 
 
-# Kept equal to conductor.policies.POLICIES (a unit test checks); spelled out here so the
+# Kept equal to conductor.sched.policies.POLICIES (a unit test checks); spelled out here so the
 # CLI validates flags without importing the Conductor.
 SCHED_POLICIES = ("random", "round_robin", "load_balancing", "local_cache_aware",
                   "global_cache_aware")
@@ -292,7 +292,7 @@ def conductor(**o: Any) -> None:
     o["host"] = _check_bind(o["host"], o["allow_any_address"])
     from mooncake_k8s.common.logs import setup_logging
     from mooncake_k8s.common.tracing import setup_tracing
-    from mooncake_k8s.conductor.bodies import EdgeLimits
+    from mooncake_k8s.conductor.http.bodies import EdgeLimits
     from mooncake_k8s.conductor.service import ConductorConfig, run_conductor
 
     setup_logging("conductor", o["log_level"], o["log_format"] == "json")

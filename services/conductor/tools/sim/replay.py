@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from mooncake_k8s.conductor.admission import SLO, AdmissionConfig
-from mooncake_k8s.conductor.costmodel import CostModel
-from mooncake_k8s.conductor.kvindex import KVIndex
-from mooncake_k8s.conductor.policies import (
+from mooncake_k8s.conductor.sched.admission import SLO, AdmissionConfig
+from mooncake_k8s.conductor.sched.costmodel import CostModel
+from mooncake_k8s.conductor.sched.kvindex import KVIndex
+from mooncake_k8s.conductor.sched.scheduler import (
     POLICIES,
     DecodeView,
     Demand,
@@ -35,8 +35,8 @@ from mooncake_k8s.conductor.policies import (
     Scheduler,
     SchedulerConfig,
 )
-from mooncake_k8s.conductor.sim.cluster import DecodeSim, Job, PrefillSim, tbt_of
-from mooncake_k8s.conductor.sim.trace import TraceRequest
+from mooncake_k8s.conductor.tools.sim.cluster import DecodeSim, Job, PrefillSim, tbt_of
+from mooncake_k8s.conductor.tools.sim.trace import TraceRequest
 
 _ARRIVE, _PREFILLED = 0, 1
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mooncake_k8s.conductor.costmodel import CostModel
-from mooncake_k8s.conductor.kvindex import KVIndex
+from mooncake_k8s.conductor.sched.costmodel import CostModel
+from mooncake_k8s.conductor.sched.kvindex import KVIndex
 
 
 @dataclass(slots=True)

@@ -22,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from mooncake_k8s.conductor.protocol import ApiError
+from mooncake_k8s.conductor.http.protocol import ApiError
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from mooncake_k8s.conductor.protocol import ApiError
+from mooncake_k8s.common.errors import MooncakeError
 
 PRIORITIES = ("interactive", "batch")
 
@@ -87,18 +87,26 @@ class Verdict:
     """TTFT SLO minus the predicted TTFT (inf without a TTFT objective)."""
 
 
-class Overloaded(ApiError):
-    """A 429 the Conductor sends when it predicts an SLO miss; `Retry-After` says when the
-    prediction expects room again (clients and load balancers back off by it)."""
+class Overloaded(MooncakeError):
+    """An SLO miss predicted at arrival: the request is refused before any work is spent on
+    it. `retry_after_s` says when the prediction expects room again (the HTTP layer sends it
+    as a 429's `Retry-After`; clients and load balancers back off by it)."""
 
     def __init__(self, verdict: Verdict, priority: str) -> None:
         what = {"ttft": "time to first token", "tbt": "time between tokens",
                 "kv": "decode KV memory"}.get(verdict.reason, verdict.reason)
-        super().__init__(429, f"overloaded: this {priority} request is predicted to miss its "
-                              f"{what} objective; retry in {verdict.retry_after_s} s",
-                         type_="rate_limit_error", code=f"slo_{verdict.reason}")
+        super().__init__(f"overloaded: this {priority} request is predicted to miss its "
+                         f"{what} objective; retry in {verdict.retry_after_s} s")
         self.verdict = verdict
-        self.headers = {"Retry-After": str(verdict.retry_after_s)}
+        self.priority = priority
+
+    @property
+    def code(self) -> str:
+        return f"slo_{self.verdict.reason}"
+
+    @property
+    def retry_after_s(self) -> int:
+        return self.verdict.retry_after_s
 
 
 def judge(config: AdmissionConfig, priority: str, ttft_ms: float, tbt_ms: float,

@@ -29,18 +29,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from mooncake_k8s.common import tracing
 from mooncake_k8s.common.rpc import serving_pb2 as pb
-from mooncake_k8s.conductor.admission import PRIORITIES
-from mooncake_k8s.conductor.bodies import EdgeLimits, decode_json, read_body
-from mooncake_k8s.conductor.listener import HeaderDeadlines
-from mooncake_k8s.conductor.metrics import ConductorMetrics
-from mooncake_k8s.conductor.pipeline import Delta, Generation, Outcome, Pipeline
-from mooncake_k8s.conductor.protocol import (
+from mooncake_k8s.conductor.http.bodies import EdgeLimits, decode_json, read_body
+from mooncake_k8s.conductor.http.errors import ANSWERED, api_error
+from mooncake_k8s.conductor.http.listener import HeaderDeadlines
+from mooncake_k8s.conductor.http.protocol import (
     ApiError,
     ChatRequest,
     CompletionRequest,
     _Common,
     parse,
 )
+from mooncake_k8s.conductor.metrics import ConductorMetrics
+from mooncake_k8s.conductor.sched.admission import PRIORITIES
+from mooncake_k8s.conductor.serving.pipeline import Delta, Generation, Outcome, Pipeline
 
 log = logging.getLogger(__name__)
 
@@ -184,10 +185,10 @@ class Frontend:
                 gen, max_tokens = await self._prepare(req, kind, tenant)
                 gen.priority = priority
                 return await self._respond(request, req, kind, gen, max_tokens, endpoint)
-        except ApiError as e:
+        except ANSWERED as exc:
+            e = api_error(exc)
             self.metrics.requests.labels(endpoint, str(e.status)).inc()
-            return web.json_response(e.body(), status=e.status,
-                                     headers=getattr(e, "headers", None))
+            return web.json_response(e.body(), status=e.status, headers=e.headers)
 
     async def _prepare(self, req: _Common, kind: str, tenant: str) -> tuple[Generation, int]:
         name = self.model_name()
@@ -277,8 +278,6 @@ class Frontend:
                 resp.headers["X-Mooncake-Resumes"] = str(out.resumes)
             self._observe(out, endpoint, "200")
             return resp
-        except ApiError:
-            raise
         except asyncio.CancelledError:
             self._hung_up(request, gen, out, endpoint)
             raise
@@ -374,9 +373,10 @@ class Frontend:
                         await _sse(resp, chunk(d, True))
                     else:
                         await _sse(resp, chunk(d, False))
-        except ApiError as e:
+        except ANSWERED as exc:
             if resp is None:
                 raise
+            e = api_error(exc)
             try:
                 await _sse(resp, e.body())  # the OpenAI clients raise on an "error" event
                 await resp.write(b"data: [DONE]\n\n")
@@ -427,8 +427,9 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
             err = ApiError(e.status, e.reason or "error")
             return web.json_response(err.body(), status=e.status)
         raise
-    except ApiError as e:
-        return web.json_response(e.body(), status=e.status, headers=getattr(e, "headers", None))
+    except ANSWERED as exc:
+        answer = api_error(exc)
+        return web.json_response(answer.body(), status=answer.status, headers=answer.headers)
     except ConnectionError as e:
         if request.transport is not None and not request.transport.is_closing():
             log.exception("unhandled error", extra={"path": request.path})

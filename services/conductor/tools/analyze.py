@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from mooncake_k8s.conductor.costmodel import CostModel, Prefill
-from mooncake_k8s.conductor.sim.trace import TraceRequest
+from mooncake_k8s.conductor.sched.costmodel import CostModel, Prefill
+from mooncake_k8s.conductor.tools.sim.trace import TraceRequest
 
 INF = np.iinfo(np.int64).max
 

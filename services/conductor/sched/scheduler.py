@@ -1,0 +1,226 @@
+"""The scheduling decision: which prefill and which decode instance, or a 429. Pure.
+
+`Scheduler.decide` is Mooncake's Algorithm 1 and the baselines it is measured against
+(`policies`), over a typed view of the cluster (`PrefillView`, `DecodeView`) and the global KV
+index; it does no I/O, so the live Conductor (`serving.router.MooncakeRouter`) and the trace
+simulator (`tools.sim`) run exactly this code, and its tests need no servers.
+
+When the global-cache-aware policy fetches, the blocks are kept where they were fetched to
+(hot-block replication): the next request with that prefix finds it locally on one more
+instance. With early rejection, the decision is then judged against the SLOs
+(`admission.judge`) using the predicted TTFT and the TBT predicted from the decode load the
+request will meet.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from mooncake_k8s.common.defaults import BLOCK_TOKENS
+from mooncake_k8s.conductor.sched.admission import (
+    AdmissionConfig,
+    DecodeLedger,
+    Verdict,
+    judge,
+)
+from mooncake_k8s.conductor.sched.costmodel import CostModel
+from mooncake_k8s.conductor.sched.kvindex import KVIndex, Match
+from mooncake_k8s.conductor.sched.policies import POLICIES, Policy, least_loaded, picks
+
+__all__ = ["POLICIES", "Decision", "DecodeView", "Demand", "Policy", "PrefillView",
+           "Scheduler", "SchedulerConfig", "least_loaded"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    policy: Policy | str = Policy.GLOBAL_CACHE_AWARE
+    """A `Policy` or its name (the name is checked and turned into the enum)."""
+    block_tokens: int = BLOCK_TOKENS
+    """Tokens per KV block (the cluster's; the simulator uses the trace's)."""
+    admission: AdmissionConfig | None = None
+    """None: admit everything (no early rejection)."""
+    replicate_min_blocks: int = 1
+    """Keep a local replica of a fetched prefix only when at least this many blocks were
+    fetched; raise it to spend local DRAM only on long shared prefixes."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
+        object.__setattr__(self, "policy", Policy(self.policy))
+        if self.block_tokens < 1:
+            raise ValueError("block_tokens must be >= 1")
+        if self.replicate_min_blocks < 1:
+            raise ValueError("replicate_min_blocks must be >= 1")
+
+
+@dataclass(slots=True)
+class Demand:
+    """What one request asks for, as the scheduler sees it."""
+
+    keys: Sequence[Hashable]
+    """Block keys of the prompt's full blocks, in order."""
+    prompt_tokens: int
+    max_tokens: int
+    """Output tokens to plan for (the request's limit: the scheduler cannot know more)."""
+    priority: str = "interactive"
+
+
+@dataclass(slots=True)
+class PrefillView:
+    slot: int
+    """Stable id of the instance (KV index masks and ledgers are keyed by it)."""
+    queue_ms: float
+    """Predicted time until a new request would start computing here."""
+    local_mask: int = 0
+    """KV index mask of this instance's own segments (0: it holds nothing locally)."""
+
+
+@dataclass(slots=True)
+class DecodeView:
+    slot: int
+    running: int = 0
+    """Sequences the instance reports running (0 when unknown)."""
+    kv_used_tokens: int = 0
+    kv_capacity_tokens: int = 0
+    """0 = unknown: the cost model's capacity applies (or none)."""
+
+
+@dataclass(slots=True)
+class Decision:
+    prefill: int
+    """Index into the `prefills` given to `decide` (not the slot)."""
+    decode: int
+    local_blocks: int
+    """Leading blocks the chosen prefill instance holds itself."""
+    fetch_blocks: int
+    """Further blocks it is to fetch from the pool (0 unless global-cache-aware)."""
+    cached_tokens: int
+    ttft_ms: float
+    tbt_ms: float
+    replicate: bool
+    verdict: Verdict
+    match: Match
+
+    @property
+    def admitted(self) -> bool:
+        return self.verdict.admit
+
+
+class Scheduler:
+    """One policy, its RNG and round-robin state, and the decode ledger. Not thread-safe:
+    the live Conductor calls it from its event loop only."""
+
+    def __init__(self, config: SchedulerConfig, model: CostModel, index: KVIndex) -> None:
+        self.config = config
+        self.model = model
+        self.index = index
+        self.ledger = DecodeLedger()
+        self.block_tokens = config.block_tokens
+        """The cluster's; the live router keeps it in step with the workers' reports."""
+        self._prefill_pick, self._decode_pick = picks(Policy(config.policy),
+                                                         random.Random(config.seed))
+        self._memo: dict[tuple[int, int, int, int, int, bool], tuple[float, int]] = {}
+        self._memo_model: CostModel | None = None
+
+    # -- pieces ----------------------------------------------------------------------------
+
+    def _tokens(self, blocks: int, prompt: int) -> int:
+        """Cached tokens for a prefix of `blocks`; at least one prompt token is computed
+        (its logits give the first output token)."""
+        return max(0, min(blocks * self.block_tokens, prompt - 1))
+
+    def cost_local(self, local: int, prompt: int) -> float:
+        m = self.model
+        c = self._tokens(local, prompt)
+        return m.transfer_ms("local", c) + m.prefill_ms(prompt - c, c)
+
+    def _cost_global(self, local: int, match: Match, prompt: int) -> tuple[float, int]:
+        """Best of computing past the local prefix or fetching the pool's longer prefix:
+        (ms, blocks fetched)."""
+        own = self.cost_local(local, prompt)
+        g = match.global_blocks
+        if g <= local:
+            return own, 0
+        m = self.model
+        c_local = self._tokens(local, prompt)
+        c_dram = self._tokens(max(local, match.dram_blocks), prompt)
+        c_all = self._tokens(g, prompt)
+        fetched = (m.transfer_ms("local", c_local) + m.transfer_ms("pool", c_dram - c_local)
+                   + m.transfer_ms("ssd", c_all - c_dram) + m.prefill_ms(prompt - c_all, c_all))
+        return (fetched, g - local) if fetched < own else (own, 0)
+
+    def costs(self, lengths: set[int], match: Match, prompt: int,
+              glob: bool) -> dict[int, tuple[float, int]]:
+        """(ms, blocks fetched) per distinct local prefix length among the candidates.
+
+        Memoised: the candidates share a handful of lengths, and consecutive prompts the same
+        few (length, match, prompt) combinations, so most decisions evaluate no cost model at
+        all. The memo is dropped when the model or the block size changes, and when it grows
+        past `_COSTS_MEMO` entries."""
+        memo = self._memo
+        bt = self.block_tokens
+        if self._memo_model is not self.model:
+            memo.clear()
+            self._memo_model = self.model
+        g, dram = match.global_blocks, match.dram_blocks
+        out: dict[int, tuple[float, int]] = {}
+        for li in lengths:
+            key = (li, g, dram, prompt, bt, glob)
+            c = memo.get(key)
+            if c is None:
+                c = (self._cost_global(li, match, prompt) if glob
+                     else (self.cost_local(li, prompt), 0))
+                if len(memo) >= _COSTS_MEMO:
+                    memo.clear()
+                memo[key] = c
+            out[li] = c
+        return out
+
+    # -- the decision ----------------------------------------------------------------------
+
+    def decide(self, demand: Demand, prefills: Sequence[PrefillView],
+               decodes: Sequence[DecodeView], now_ms: float) -> Decision:
+        """Choose (prefill, decode) for one request; record it in the ledger if admitted."""
+        if not prefills or not decodes:
+            raise ValueError("decide needs at least one prefill and one decode instance")
+        prompt = demand.prompt_tokens
+        match = self.index.match(demand.keys, [p.local_mask for p in prefills])
+        local = match.local_blocks
+        pi, ttft, fetch = self._prefill_pick(self, prefills, match, prompt)
+        reuse = local[pi] + fetch
+        cached = self._tokens(reuse, prompt)
+        self.ledger.expire(now_ms)
+        di, tbt, fits, clears = self._pick_decode(demand, decodes, now_ms + ttft)
+        adm = self.config.admission
+        verdict = (judge(adm, demand.priority, ttft, tbt, fits, clears) if adm is not None
+                   else Verdict(True))
+        if verdict.admit:
+            out = max(0, demand.max_tokens - 1)
+            finish = now_ms + ttft + out * tbt
+            self.ledger.add(decodes[di].slot, finish, prompt + demand.max_tokens)
+        return Decision(pi, di, local[pi], fetch, cached, ttft, tbt,
+                        fetch >= self.config.replicate_min_blocks, verdict, match)
+
+    def _state(self, d: DecodeView, t_ms: float) -> tuple[int, int, int]:
+        """(sequences, reserved tokens, capacity) predicted for a decode instance at t."""
+        seqs, toks = self.ledger.at(d.slot, t_ms)
+        cap = d.kv_capacity_tokens or self.model.decode.kv_capacity_tokens
+        return max(seqs, d.running), max(toks, d.kv_used_tokens), cap
+
+    def _pick_decode(self, demand: Demand, decodes: Sequence[DecodeView],
+                     arrive_ms: float) -> tuple[int, float, bool, float]:
+        """(index, predicted TBT, KV fits, ms until its next predicted finish)."""
+        need = demand.prompt_tokens + demand.max_tokens
+        step = self.model.step_ms
+        di = self._decode_pick(self, decodes, need)
+        n_seqs, n_toks, cap = self._state(decodes[di], arrive_ms)
+        fits = not cap or n_toks + need <= cap
+        tbt = step(n_seqs + 1, n_toks + need)
+        clears = self.ledger.next_finish(decodes[di].slot) - arrive_ms
+        return di, tbt, fits, max(0.0, clears)
+
+
+_COSTS_MEMO = 4096

@@ -1,0 +1,188 @@
+"""The live router: the scheduler's decision over the instance pools, as a typed plan.
+
+`MooncakeRouter` builds the scheduler's views (`sched.scheduler.PrefillView`, `DecodeView`)
+from the instances' load reports, computes the prompt's block keys once in the workers'
+namespace, asks `Scheduler.decide` (pure, no I/O) and returns a `Route`, whose `plan()` is the
+`KVPlan` the prefill worker receives. It is the one place where the scheduler meets I/O: the
+store (pinning hot prefixes) and the Conductor's metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from mooncake_k8s.common.blocks import KeyNamespace, block_keys
+from mooncake_k8s.common.rpc import serving_pb2 as pb
+from mooncake_k8s.conductor.metrics import ConductorMetrics
+from mooncake_k8s.conductor.sched.admission import Overloaded
+from mooncake_k8s.conductor.sched.scheduler import DecodeView, Demand, PrefillView, Scheduler
+from mooncake_k8s.conductor.serving.errors import NoCapacity
+from mooncake_k8s.conductor.serving.instances import Instance
+from mooncake_k8s.store.client import StoreClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    request_id: str
+    token_ids: Sequence[int]
+    tenant: str
+    max_tokens: int
+    use_prefix_cache: bool = True
+    priority: str = "interactive"
+    """Request class for early rejection (`interactive` is shed last)."""
+
+
+@dataclass(frozen=True)
+class Route:
+    prefill: Instance
+    decode: Instance
+    cached_blocks: int
+    """Leading blocks the store holds for this prompt when the route was chosen."""
+    keys: tuple[str, ...] = ()
+    """The prompt's full-block keys in the prefill engine's namespace (computed once, here)."""
+    namespace: str = ""
+    """Hex digest of that namespace; workers in another one recompute instead of trusting."""
+    local_blocks: int = 0
+    """Of `cached_blocks`, those the prefill instance holds itself (the rest it fetches)."""
+
+    def plan(self) -> pb.KVPlan:
+        """The decision as the prefill worker receives it."""
+        seg = self.decode.report.local_segment if self.decode.report else ""
+        local = min(self.local_blocks, self.cached_blocks)
+        return pb.KVPlan(block_keys=self.keys, namespace=self.namespace, local_blocks=local,
+                         fetch_blocks=self.cached_blocks - local, write_segment=seg,
+                         planned=bool(self.namespace))
+
+
+class Router(Protocol):
+    async def route(
+        self, req: RouteRequest, prefills: Sequence[Instance], decodes: Sequence[Instance]
+    ) -> Route: ...
+
+
+def namespace_of(inst: Instance, tenant: str) -> KeyNamespace:
+    """The key namespace an instance's engine uses; equal for instances of one model."""
+    r = inst.report
+    assert r is not None
+    return KeyNamespace(model_fingerprint=r.model_fingerprint, dtype=r.dtype,
+                        block_tokens=r.block_tokens, tenant_salt=tenant,
+                        kv_layout=r.kv_layout)
+
+
+def pick_decode(decodes: Sequence[Instance], prefill: Instance, need_tokens: int) -> Instance:
+    rev = prefill.report.revision if prefill.report else ""
+    same = [d for d in decodes if d.report and d.report.revision == rev] or list(decodes)
+
+    def key(d: Instance) -> tuple[bool, int, str]:
+        r = d.report
+        assert r is not None
+        no_room = r.kv_capacity_tokens > 0 and r.kv_free_tokens < need_tokens
+        return no_room, r.running + d.inflight, d.address
+
+    return min(same, key=key)
+
+
+class MooncakeRouter:
+    """The live Conductor's `Router`: `Scheduler.decide` over the instance pools.
+
+    Views come from the instances' load reports plus what this Conductor has sent since
+    (`inflight`): a prefill queue is predicted from its queued tokens with the cost model
+    (their cached share is unknown here, so it is an upper bound); a decode instance's load is
+    the larger of its report and the ledger. Block keys use the workers' namespace, so the
+    index answers in the store's own keys. A predicted SLO miss raises `Overloaded` (429).
+    A fetched hot prefix is soft-pinned in the store so it stays in the pool (the store has no
+    call to add a replica of an existing object; pinning is what its API offers).
+    """
+
+    def __init__(self, scheduler: Scheduler, store: StoreClient | None = None,
+                 metrics: ConductorMetrics | None = None, pin_memory: int = 4096) -> None:
+        self.scheduler = scheduler
+        self.index = scheduler.index
+        self.store = store
+        self.metrics = metrics
+        self._slots: dict[str, int] = {}
+        self._pinned: OrderedDict[str, None] = OrderedDict()
+        self._pin_memory = pin_memory
+
+    def _slot(self, inst: Instance) -> int:
+        slot = self._slots.get(inst.address)
+        if slot is None:
+            slot = self._slots[inst.address] = len(self._slots)
+        return slot
+
+    def _prefill_view(self, inst: Instance) -> PrefillView:
+        r = inst.report
+        pf = self.scheduler.model.prefill
+        queued = max(r.queued_tokens if r else 0, inst.inflight_tokens)
+        jobs = max(r.queued_requests if r else 0, inst.inflight)
+        mask = self.index.mask([r.local_segment]) if r and r.local_segment else 0
+        return PrefillView(self._slot(inst), pf.base_ms * jobs + pf.per_token_ms * queued, mask)
+
+    def _decode_view(self, inst: Instance) -> DecodeView:
+        r = inst.report
+        if r is None:
+            return DecodeView(self._slot(inst), inst.inflight)
+        used = max(0, r.kv_capacity_tokens - r.kv_free_tokens)
+        return DecodeView(self._slot(inst), max(r.running, inst.inflight), used,
+                          r.kv_capacity_tokens)
+
+    async def route(self, req: RouteRequest, prefills: Sequence[Instance],
+                    decodes: Sequence[Instance]) -> Route:
+        if not prefills:
+            raise NoCapacity("no prefill instance is ready")
+        if not decodes:
+            raise NoCapacity("no decode instance is ready")
+        # During a rollout, only pair instances of one revision.
+        revs = {d.report.revision for d in decodes if d.report}
+        prefills = [p for p in prefills if p.report and p.report.revision in revs] or prefills
+        first = prefills[0].report
+        assert first is not None
+        self.scheduler.block_tokens = first.block_tokens or self.scheduler.block_tokens
+        ns = namespace_of(prefills[0], req.tenant)
+        keys = block_keys(ns, req.token_ids)  # once per request: they travel in the plan
+        demand = Demand(keys if req.use_prefix_cache else [], len(req.token_ids),
+                        max(1, req.max_tokens),
+                        getattr(req, "priority", "interactive"))
+        dec = self.scheduler.decide(demand, [self._prefill_view(p) for p in prefills],
+                                    [self._decode_view(d) for d in decodes],
+                                    time.monotonic() * 1000.0)
+        if self.metrics is not None and math.isfinite(dec.verdict.headroom_ms):
+            self.metrics.ttft_headroom.set(dec.verdict.headroom_ms)
+        if not dec.admitted:
+            if self.metrics is not None:
+                self.metrics.rejections.labels(f"slo_{dec.verdict.reason}").inc()
+            raise Overloaded(dec.verdict, demand.priority)
+        prefill = prefills[dec.prefill]
+        decode = decodes[dec.decode]
+        if (prefill.report and decode.report
+                and decode.report.revision != prefill.report.revision):
+            decode = pick_decode(decodes, prefill, len(req.token_ids) + req.max_tokens)
+        if dec.replicate and dec.fetch_blocks:
+            self._pin(keys[: dec.local_blocks + dec.fetch_blocks])
+        return Route(prefill, decode, dec.local_blocks + dec.fetch_blocks, tuple(keys),
+                     ns.digest().hex(), dec.local_blocks)
+
+    def _pin(self, keys: list[str]) -> None:
+        if self.store is None or not keys or keys[-1] in self._pinned:
+            return
+        self._pinned[keys[-1]] = None
+        while len(self._pinned) > self._pin_memory:
+            self._pinned.popitem(last=False)
+        store = self.store
+
+        def pin() -> None:
+            try:
+                store.pin(keys)
+            except Exception as e:  # a failed pin costs future hits, never this request
+                log.debug("pinning a hot prefix failed", extra={"error": str(e)})
+
+        asyncio.get_running_loop().run_in_executor(None, pin)
