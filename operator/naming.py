@@ -23,6 +23,8 @@ import re
 from decimal import Decimal
 from typing import Any
 
+from mooncake_k8s.common import defaults as d
+
 MANAGER = "mooncake-operator"
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
@@ -36,11 +38,12 @@ ANNOTATION_SEED = "mooncake.io/seeded-replicas"
 
 # Container ports. The CLI defaults, fixed so Services and NetworkPolicies can name them.
 PORTS: dict[str, dict[str, int]] = {
-    "conductor": {"http": 8000},
-    "prefill": {"grpc": 50061, "metrics": 9090},
-    "decode": {"grpc": 50071, "metrics": 9090},
-    "store": {"transfer": 50055, "metrics": 9092},
-    "master": {"grpc": 50051, "fast": 50052, "metrics": 9091},
+    "conductor": {"http": d.CONDUCTOR_PORT},
+    "prefill": {"grpc": d.PREFILL_PORT, "metrics": d.WORKER_METRICS_PORT},
+    "decode": {"grpc": d.DECODE_PORT, "metrics": d.WORKER_METRICS_PORT},
+    "store": {"transfer": d.NODE_TRANSFER_PORT, "metrics": d.NODE_METRICS_PORT},
+    "master": {"grpc": d.MASTER_PORT, "fast": d.MASTER_FAST_PORT,
+               "metrics": d.MASTER_METRICS_PORT},
 }
 # Extra container ports of SGLang workers (the worker's --sglang-bootstrap-port and
 # --pd-transfer-port): decode pods dial a prefill pod's bootstrap server, and KV moves from

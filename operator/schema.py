@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mooncake_k8s.common import defaults as d
 from mooncake_k8s.operator import corev1
 from mooncake_k8s.operator.schema_dsl import (
     DNS_LABEL,
@@ -278,8 +279,8 @@ def _roles() -> Schema:
             "service": obj("How the Conductor's OpenAI-compatible API is exposed.", {
                 "type": string("Service type.", default="ClusterIP",
                                enum=("ClusterIP", "NodePort", "LoadBalancer")),
-                "port": integer("Service port of the HTTP API.", default=8000, minimum=1,
-                                maximum=65535),
+                "port": integer("Service port of the HTTP API.", default=d.CONDUCTOR_PORT,
+                                minimum=1, maximum=65535),
                 "annotations": string_map("Annotations for the Service (load balancer "
                                           "settings)."),
             }, default={}),
@@ -354,11 +355,11 @@ def _store() -> Schema:
                                          "nodes (1 = no redundancy).", default=1, minimum=1,
                                          maximum=8),
             "highWatermark": number("Start evicting a segment above this used fraction.",
-                                    default=0.95, minimum=0.05, maximum=1.0),
-            "lowWatermark": number("Evict down to this used fraction.", default=0.85,
+                                    default=d.HIGH_WATERMARK, minimum=0.05, maximum=1.0),
+            "lowWatermark": number("Evict down to this used fraction.", default=d.LOW_WATERMARK,
                                    minimum=0.0, maximum=1.0),
             "blockTokens": integer("Tokens per KV block (part of every block key; changing it "
-                                   "invalidates the cache).", default=64, minimum=1,
+                                   "invalidates the cache).", default=d.BLOCK_TOKENS, minimum=1,
                                    maximum=4096),
         },
         default={},

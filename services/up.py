@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mooncake_k8s.common import defaults
 from mooncake_k8s.common.defaults import BLOCK_TOKENS
 from mooncake_k8s.common.netutil import free_service_port
 from mooncake_k8s.common.procs import Proc
@@ -36,7 +37,7 @@ from mooncake_k8s.supervise import RestartPolicy, Supervisor
 @dataclass
 class UpConfig:
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = defaults.CONDUCTOR_PORT
     prefill: int = 1
     decode: int = 1
     store_size: int = 1 << 30

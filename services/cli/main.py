@@ -24,6 +24,7 @@ from mooncake_k8s.cli.options import (  # noqa: F401 (re-exported for tests and 
     parse_size,
 )
 from mooncake_k8s.cli.sidecar import sidecar as _sidecar_command
+from mooncake_k8s.common import defaults as d
 
 
 @click.group()
@@ -42,22 +43,23 @@ def store() -> None:
 @store.command("master")
 @click.option("--host", envvar="MOONCAKE_MASTER_HOST", default="127.0.0.1", show_default=True,
               show_envvar=True, help="Address to bind the gRPC server to.")
-@click.option("--port", envvar="MOONCAKE_MASTER_PORT", default=50051, show_default=True,
+@click.option("--port", envvar="MOONCAKE_MASTER_PORT", default=d.MASTER_PORT, show_default=True,
               show_envvar=True, type=click.IntRange(0, 65535))
-@click.option("--metrics-port", envvar="MOONCAKE_MASTER_METRICS_PORT", default=9091,
-              show_default=True, show_envvar=True, type=click.IntRange(-1, 65535),
+@click.option("--metrics-port", envvar="MOONCAKE_MASTER_METRICS_PORT",
+              default=d.MASTER_METRICS_PORT, show_default=True, show_envvar=True,
+              type=click.IntRange(-1, 65535),
               help="Prometheus /metrics port on the same host; 0 = any free port, -1 = off.")
 @_token_opt
-@click.option("--high-watermark", envvar="MOONCAKE_HIGH_WATERMARK", default=0.95,
+@click.option("--high-watermark", envvar="MOONCAKE_HIGH_WATERMARK", default=d.HIGH_WATERMARK,
               show_default=True, show_envvar=True, type=click.FloatRange(0.05, 1.0),
               help="Start evicting a segment above this fraction used.")
-@click.option("--low-watermark", envvar="MOONCAKE_LOW_WATERMARK", default=0.85,
+@click.option("--low-watermark", envvar="MOONCAKE_LOW_WATERMARK", default=d.LOW_WATERMARK,
               show_default=True, show_envvar=True, type=click.FloatRange(0.0, 1.0),
               help="Evict down to this fraction.")
-@click.option("--lease-ms", envvar="MOONCAKE_LEASE_MS", default=2000, show_default=True,
+@click.option("--lease-ms", envvar="MOONCAKE_LEASE_MS", default=d.LEASE_MS, show_default=True,
               show_envvar=True, type=click.IntRange(1, 600_000),
               help="Default read lease granted by lookups.")
-@click.option("--put-timeout-s", envvar="MOONCAKE_PUT_TIMEOUT_S", default=30.0,
+@click.option("--put-timeout-s", envvar="MOONCAKE_PUT_TIMEOUT_S", default=d.PUT_TIMEOUT_S,
               show_default=True, show_envvar=True, type=click.FloatRange(0.1),
               help="A put not ended within this time is revoked and its space reclaimed.")
 @click.option("--put-claim-s", envvar="MOONCAKE_PUT_CLAIM_S", default=1.0, show_default=True,
@@ -68,11 +70,11 @@ def store() -> None:
               type=click.Path(file_okay=False),
               help="Directory for the registered nodes' ids, so a restarted master knows whom "
                    "to wait for before answering (without it: always the whole grace period).")
-@click.option("--recovery-grace-s", envvar="MOONCAKE_RECOVERY_GRACE_S", default=3.0,
+@click.option("--recovery-grace-s", envvar="MOONCAKE_RECOVERY_GRACE_S", default=d.RECOVERY_GRACE_S,
               show_default=True, show_envvar=True, type=click.FloatRange(0.0),
               help="After a restart, answer UNAVAILABLE at most this long while storage nodes "
                    "re-register; 0 = answer at once.")
-@click.option("--node-timeout-s", envvar="MOONCAKE_NODE_TIMEOUT_S", default=10.0,
+@click.option("--node-timeout-s", envvar="MOONCAKE_NODE_TIMEOUT_S", default=d.NODE_TIMEOUT_S,
               show_default=True, show_envvar=True, type=click.FloatRange(0.5),
               help="A node silent this long is dead; its replicas are dropped.")
 @click.option("--max-object-size", envvar="MOONCAKE_MAX_OBJECT_SIZE", default="1GiB",
@@ -92,7 +94,8 @@ def store() -> None:
                    "hand out); default: the bound address.")
 @click.option("--ha-prefix", envvar="MOONCAKE_HA_PREFIX", default="mooncake", show_default=True,
               show_envvar=True, help="Prefix of this cluster's keys in Redis.")
-@click.option("--ha-lease-ms", envvar="MOONCAKE_HA_LEASE_MS", default=2000, show_default=True,
+@click.option("--ha-lease-ms", envvar="MOONCAKE_HA_LEASE_MS", default=d.HA_LEASE_MS,
+              show_default=True,
               show_envvar=True, type=click.IntRange(200, 60_000),
               help="Leader lease; a dead leader is replaced about this long after it stopped.")
 @click.option("--allow-any-address", is_flag=True,
@@ -135,7 +138,7 @@ def store_master(
 
 
 @store.command("node")
-@click.option("--master", envvar="MOONCAKE_MASTER", type=MASTERS, default="127.0.0.1:50051",
+@click.option("--master", envvar="MOONCAKE_MASTER", type=MASTERS, default=d.MASTER_ADDRESS,
               show_default=True, show_envvar=True,
               help="Master address host:port, or the comma-separated list of an HA group.")
 @click.option("--node-id", envvar="MOONCAKE_NODE_ID", default=None, show_envvar=True,
@@ -158,7 +161,7 @@ def store_master(
               type=click.Path(file_okay=False), help="Directory for the SSD tier (optional).")
 @click.option("--ssd-size", envvar="MOONCAKE_SSD_SIZE", default="0", show_default=True,
               show_envvar=True, type=SIZE)
-@click.option("--metrics-port", envvar="MOONCAKE_NODE_METRICS_PORT", default=9092,
+@click.option("--metrics-port", envvar="MOONCAKE_NODE_METRICS_PORT", default=d.NODE_METRICS_PORT,
               show_default=True, show_envvar=True, type=click.IntRange(-1, 65535),
               help="Prometheus /metrics port; 0 = any free port, -1 = off.")
 @_token_opt
@@ -193,7 +196,7 @@ def store_node(
 
 
 @store.command("stats")
-@click.option("--master", envvar="MOONCAKE_MASTER", type=MASTERS, default="127.0.0.1:50051",
+@click.option("--master", envvar="MOONCAKE_MASTER", type=MASTERS, default=d.MASTER_ADDRESS,
               show_default=True,
               show_envvar=True)
 @_token_opt

@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from mooncake_k8s.cli.options import MASTERS, SIZE, _token_opt
+from mooncake_k8s.common import defaults as d
 from mooncake_k8s.common.defaults import BLOCK_TOKENS
 
 
@@ -200,7 +201,7 @@ def analyze(trace_path: str, json_out: str | None, plot_out: str | None,
 
 
 @click.command("calibrate")
-@click.option("--url", envvar="MOONCAKE_URL", default="http://127.0.0.1:8000",
+@click.option("--url", envvar="MOONCAKE_URL", default=f"http://127.0.0.1:{d.CONDUCTOR_PORT}",
               show_default=True, show_envvar=True, help="The deployment's OpenAI endpoint.")
 @click.option("--api-key", envvar="MOONCAKE_API_KEY", default=None, show_envvar=True)
 @click.option("--model", default=None, help="Model name [default: the one served].")

@@ -22,6 +22,7 @@ from mooncake_k8s.cli.options import (
     _warn_no_token,
     _with_logs,
 )
+from mooncake_k8s.common import defaults as d
 from mooncake_k8s.common.defaults import BLOCK_TOKENS
 
 _host_opts = [
@@ -46,7 +47,7 @@ _model_opts = [
                  type=click.IntRange(1, 1024), help="CPU threads for the engine."),
 ]
 _worker_opts = [
-    click.option("--master", envvar="MOONCAKE_MASTER", type=MASTERS, default="127.0.0.1:50051",
+    click.option("--master", envvar="MOONCAKE_MASTER", type=MASTERS, default=d.MASTER_ADDRESS,
                  show_default=True, show_envvar=True, help="Store master address."),
     click.option("--engine", "engine_kind", envvar="MOONCAKE_ENGINE", default="embedded",
                  show_default=True, show_envvar=True,
@@ -63,7 +64,7 @@ _worker_opts = [
                  type=click.FloatRange(min=1), help="Seconds an engine server (vLLM) may take "
                  "to load before the worker exits with an error."),
     click.argument("engine_argv", nargs=-1, type=click.UNPROCESSED),
-    click.option("--metrics-port", envvar="MOONCAKE_METRICS_PORT", default=9090,
+    click.option("--metrics-port", envvar="MOONCAKE_METRICS_PORT", default=d.WORKER_METRICS_PORT,
                  show_default=True, show_envvar=True, type=click.IntRange(-1, 65535),
                  help="HTTP port for /metrics, /healthz, /readyz; 0 = any, -1 = off."),
     click.option("--instance-id", envvar="MOONCAKE_INSTANCE_ID", default=None, show_envvar=True,
@@ -192,7 +193,7 @@ def _worker(role: str, o: dict[str, Any], **extra: Any) -> None:
 
 @click.command("prefill")
 @_apply(_host_opts)
-@click.option("--port", envvar="MOONCAKE_PORT", default=50061, show_default=True,
+@click.option("--port", envvar="MOONCAKE_PORT", default=d.PREFILL_PORT, show_default=True,
               show_envvar=True, type=click.IntRange(0, 65535))
 @_apply(_worker_opts)
 @_apply(_model_opts)
@@ -208,7 +209,7 @@ def prefill(bootstrap_port: int, **o: Any) -> None:
 
 @click.command("decode")
 @_apply(_host_opts)
-@click.option("--port", envvar="MOONCAKE_PORT", default=50071, show_default=True,
+@click.option("--port", envvar="MOONCAKE_PORT", default=d.DECODE_PORT, show_default=True,
               show_envvar=True, type=click.IntRange(0, 65535))
 @_apply(_worker_opts)
 @_apply(_model_opts)
@@ -263,14 +264,15 @@ _edge_opts = [
 
 @click.command("conductor")
 @_apply(_host_opts)
-@click.option("--port", envvar="MOONCAKE_CONDUCTOR_PORT", default=8000, show_default=True,
+@click.option("--port", envvar="MOONCAKE_CONDUCTOR_PORT", default=d.CONDUCTOR_PORT,
+              show_default=True,
               show_envvar=True, type=click.IntRange(0, 65535))
 @click.option("--prefill", "prefill_spec", envvar="MOONCAKE_PREFILL", required=True,
               show_envvar=True,
               help="Prefill instances: host:port,host:port or dns:SERVICE:PORT.")
 @click.option("--decode", "decode_spec", envvar="MOONCAKE_DECODE", required=True,
               show_envvar=True, help="Decode instances, same forms as --prefill.")
-@click.option("--master", envvar="MOONCAKE_MASTER", type=MASTERS, default="127.0.0.1:50051",
+@click.option("--master", envvar="MOONCAKE_MASTER", type=MASTERS, default=d.MASTER_ADDRESS,
               show_default=True, show_envvar=True, help="Store master (prefix lookups).")
 @click.option("--api-keys-file", envvar="MOONCAKE_API_KEYS_FILE", default=None,
               show_envvar=True, type=click.Path(exists=True, dir_okay=False),
@@ -312,7 +314,7 @@ def conductor(**o: Any) -> None:
 
 @click.command("up")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address for everything.")
-@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
+@click.option("--port", default=d.CONDUCTOR_PORT, show_default=True, type=click.IntRange(0, 65535),
               help="The OpenAI endpoint's port.")
 @click.option("--prefill", "n_prefill", default=1, show_default=True,
               type=click.IntRange(1, 64), help="Prefill instances.")

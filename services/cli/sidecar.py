@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from mooncake_k8s.cli.options import MASTERS, SIZE, _token_opt, _warn_no_token, _with_logs
+from mooncake_k8s.common import defaults as d
 
 
 @click.command("sidecar")
@@ -12,7 +13,7 @@ from mooncake_k8s.cli.options import MASTERS, SIZE, _token_opt, _warn_no_token, 
               default="/run/mooncake/sidecar.sock", show_default=True, show_envvar=True,
               type=click.Path(dir_okay=False),
               help="Unix socket to serve (created with mode 0600; its folder is created 0700).")
-@click.option("--master", envvar="MOONCAKE_MASTER", type=MASTERS, default="127.0.0.1:50051",
+@click.option("--master", envvar="MOONCAKE_MASTER", type=MASTERS, default=d.MASTER_ADDRESS,
               show_default=True,
               show_envvar=True, help="Store master address host:port.")
 @_token_opt

@@ -10,3 +10,44 @@ from __future__ import annotations
 BLOCK_TOKENS = 64
 """Tokens per KV block: the unit of prefix reuse, of block keys and of store objects. Every
 process of one cluster must use the same value (it is part of the block key namespace)."""
+
+# -- ports: the CLI's defaults, and the ports the operator gives containers and Services -------
+
+CONDUCTOR_PORT = 8000
+"""The Conductor's OpenAI-compatible HTTP API."""
+MASTER_PORT = 50051
+"""The store master's gRPC port."""
+MASTER_FAST_PORT = 50052
+"""The master's fast path in a cluster (the CLI's default is any free port: clients find it
+through the master)."""
+MASTER_ADDRESS = f"127.0.0.1:{MASTER_PORT}"
+"""Where a process looks for the master when told nothing."""
+NODE_TRANSFER_PORT = 50055
+"""A storage node's transfer port in a cluster (the CLI's default is any free port)."""
+PREFILL_PORT = 50061
+DECODE_PORT = 50071
+WORKER_METRICS_PORT = 9090
+"""Prefill and decode workers' health, readiness and /metrics."""
+MASTER_METRICS_PORT = 9091
+NODE_METRICS_PORT = 9092
+
+# -- the store master ------------------------------------------------------------------------
+
+HIGH_WATERMARK = 0.95
+"""A tier above this fraction used starts evicting (or spilling)."""
+LOW_WATERMARK = 0.85
+"""... down to this fraction."""
+LEASE_MS = 2000
+"""The read lease a lookup grants by default: replicas it names are not evicted meanwhile."""
+PUT_TIMEOUT_S = 30.0
+"""A put not ended within this time is revoked and its space reclaimed."""
+NODE_TIMEOUT_S = 10.0
+"""A storage node silent this long is dead; its replicas are dropped."""
+RECOVERY_GRACE_S = 3.0
+"""After a restart the master answers UNAVAILABLE at most this long while nodes re-register."""
+HA_LEASE_MS = 2000
+"""The HA leader's lease in Redis: a dead leader is replaced about this long after it stopped."""
+JOURNAL_KEEP_S = 30.0
+"""How long the HA commit journal keeps an entry."""
+CLIENT_TIMEOUT_S = 10.0
+"""A store client's whole-call timeout (each transfer attempt has a far shorter one)."""

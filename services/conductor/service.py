@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from mooncake_k8s.common import defaults
 from mooncake_k8s.conductor.http.api import Frontend, load_api_keys, make_app, max_token_bytes
 from mooncake_k8s.conductor.http.bodies import EdgeLimits
 from mooncake_k8s.conductor.http.listener import HeaderDeadlines
@@ -40,7 +41,7 @@ class ConductorConfig:
     master: str | None = None
     token: str = ""
     host: str = "127.0.0.1"
-    port: int = 8000
+    port: int = defaults.CONDUCTOR_PORT
     api_keys_file: str | None = None
     served_model_name: str | None = None
     use_prefix_cache: bool = True

@@ -37,7 +37,7 @@ from typing import Any
 
 import grpc
 
-from mooncake_k8s.common import auth
+from mooncake_k8s.common import auth, defaults
 from mooncake_k8s.common.buffers import byte_view
 from mooncake_k8s.common.errors import (
     BufferTooSmall,
@@ -102,10 +102,10 @@ class StoreClient:
         *,
         transport: str = "auto",
         connections_per_peer: int = 4,
-        lease_ms: int = 2000,
+        lease_ms: int = defaults.LEASE_MS,
         location_cache: bool = True,
         cache_entries: int = 100_000,
-        timeout_s: float = 10.0,
+        timeout_s: float = defaults.CLIENT_TIMEOUT_S,
         attempt_timeout_s: float = 1.0,
         suspect_s: float = 5.0,
         verify: bool = True,

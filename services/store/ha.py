@@ -48,6 +48,7 @@ from typing import Any
 
 import redis
 
+from mooncake_k8s.common import defaults
 from mooncake_k8s.common.rpc import store_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -155,8 +156,8 @@ class RedisCoordinator:
         address: str,
         *,
         prefix: str = "mooncake",
-        lease_ms: int = 2000,
-        journal_keep_s: float = 30.0,
+        lease_ms: int = defaults.HA_LEASE_MS,
+        journal_keep_s: float = defaults.JOURNAL_KEEP_S,
         master_id: str | None = None,
         on_promoted: Callable[[int], None] = lambda _e: None,
         on_deposed: Callable[[str], None] = lambda _r: None,

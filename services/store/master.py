@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from mooncake_k8s.common import defaults
 from mooncake_k8s.common.metrics import LATENCY_BUCKETS, serve_metrics
 from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.common.rpcserver import MAX_MESSAGE
@@ -54,7 +55,7 @@ class MasterConfig:
 
     host: str = "127.0.0.1"
     """Address to bind; exactly this one (never every interface by default)."""
-    port: int = 50051
+    port: int = defaults.MASTER_PORT
     """gRPC port; 0 picks a free one (see `MasterServer.port`)."""
     token: str = ""
     """Cluster token required on every RPC; empty disables the check."""
@@ -62,9 +63,9 @@ class MasterConfig:
     """Prometheus port on `metrics_host`; 0 picks a free one, None or -1 disables."""
     metrics_host: str | None = None
     """Defaults to `host`."""
-    high_watermark: float = 0.95
-    low_watermark: float = 0.85
-    put_timeout_s: float = 30.0
+    high_watermark: float = defaults.HIGH_WATERMARK
+    low_watermark: float = defaults.LOW_WATERMARK
+    put_timeout_s: float = defaults.PUT_TIMEOUT_S
     """A put not ended within this time is revoked and its space reclaimed."""
     put_claim_s: float = 1.0
     """How long a pending put keeps other writers of its key away (plus time for its size): a
@@ -73,12 +74,12 @@ class MasterConfig:
     """Where the master keeps the ids of its registered nodes, so that after a restart it knows
     whom to wait for. None: it cannot tell a first start from a restart and always waits for
     `recovery_grace_s`."""
-    recovery_grace_s: float = 3.0
+    recovery_grace_s: float = defaults.RECOVERY_GRACE_S
     """After a restart, answer UNAVAILABLE at most this long while nodes re-register (nodes
     re-register within about a heartbeat interval); 0 disables recovery."""
-    lease_ms: int = 2000
+    lease_ms: int = defaults.LEASE_MS
     max_lease_ms: int = 60_000
-    node_timeout_s: float = 10.0
+    node_timeout_s: float = defaults.NODE_TIMEOUT_S
     heartbeat_interval_ms: int = 1000
     max_object_size: int = 1 << 30
     tick_interval_s: float = 0.05
@@ -100,9 +101,9 @@ class MasterConfig:
     defaults to the bound address."""
     ha_prefix: str = "mooncake"
     """Prefix of this cluster's keys in Redis (one Redis may serve several clusters)."""
-    ha_lease_ms: int = 2000
+    ha_lease_ms: int = defaults.HA_LEASE_MS
     """Leader lease: a dead leader is replaced about this long after it stopped renewing."""
-    journal_keep_s: float = 30.0
+    journal_keep_s: float = defaults.JOURNAL_KEEP_S
     """How long the commit journal keeps an entry (far beyond a node applying it)."""
 
 

@@ -34,6 +34,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 
+from mooncake_k8s.common import defaults
 from mooncake_k8s.common.errors import (
     InvalidArgument,
     StoreError,
@@ -98,14 +99,14 @@ class MasterState(ClassicPuts, NodeMembership, TierPolicy, SpaceLeases):
     def __init__(
         self,
         *,
-        high_watermark: float = 0.95,
-        low_watermark: float = 0.85,
-        put_timeout_s: float = 30.0,
+        high_watermark: float = defaults.HIGH_WATERMARK,
+        low_watermark: float = defaults.LOW_WATERMARK,
+        put_timeout_s: float = defaults.PUT_TIMEOUT_S,
         put_claim_s: float = 1.0,
         space_ttl_s: float = SPACE_TTL_S,
-        lease_ms: int = 2000,
+        lease_ms: int = defaults.LEASE_MS,
         max_lease_ms: int = MAX_LEASE_MS,
-        node_timeout_s: float = 10.0,
+        node_timeout_s: float = defaults.NODE_TIMEOUT_S,
         max_object_size: int = 1 << 30,
         event_queue: int = 10_000,
         now: Callable[[], float] = time.monotonic,
