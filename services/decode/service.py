@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
@@ -27,6 +27,9 @@ from mooncake_k8s.common.rpc import serving_pb2 as pb
 from mooncake_k8s.worker.api import DecodeWork, EngineFailed, KVMissing
 from mooncake_k8s.worker.base import Worker, WorkerConfig, run_worker
 
+if TYPE_CHECKING:
+    from mooncake_k8s.store.local import LocalSegment
+
 log = logging.getLogger(__name__)
 
 SERVICE = "mooncake.serving.v1.Decode"
@@ -37,7 +40,7 @@ class DecodeService(Worker):
 
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
-        self._node: Any = None
+        self._segment: LocalSegment | None = None
         self.local_segment = ""
         r = self.registry
         self.m_requests = Counter("mooncake_decode_requests_total", "Decode requests",
@@ -57,23 +60,23 @@ class DecodeService(Worker):
     def start(self) -> None:
         cfg = self.config
         if cfg.local_segment_size > 0:
-            from mooncake_k8s.store.node import NodeConfig, StorageNode
+            from mooncake_k8s.store.local import LocalSegment, LocalSegmentConfig
 
             # The segment's name is a host-wide shared-memory file name: two clusters on one
             # host (both with a "decode-0") must not map each other's segment. The gRPC port
             # is unique on the host while this runs, and the same after a restart.
             node_id = f"decode-{cfg.instance_id}" + (f"-{cfg.port}" if cfg.port else "")
-            self._node = StorageNode(NodeConfig(
-                master=cfg.master, node_id=node_id, token=cfg.token, host=cfg.host,
-                advertise_host=cfg.advertise_host, dram_size=cfg.local_segment_size,
+            self._segment = LocalSegment(LocalSegmentConfig(
+                master=cfg.master, owner_id=node_id, size=cfg.local_segment_size,
+                token=cfg.token, host=cfg.host, advertise_host=cfg.advertise_host,
             ))
-            self._node.start()
-            self.local_segment = f"{node_id}-dram-0"
+            self._segment.start()
+            self.local_segment = self._segment.name
         super().start()
 
     def not_ready(self) -> str | None:
         reason = super().not_ready()
-        if reason is None and self._node is not None and not self._node.wait_registered(0):
+        if reason is None and self._segment is not None and not self._segment.registered():
             return "local segment not registered with the store master"
         return reason
 
@@ -103,8 +106,8 @@ class DecodeService(Worker):
 
     def stop(self) -> None:
         super().stop()
-        if self._node is not None:
-            self._node.stop()
+        if self._segment is not None:
+            self._segment.stop()
 
     # -- the RPC ---------------------------------------------------------------------------
 

@@ -62,10 +62,10 @@ class NodeConfig:
     dram_size: int = 1 << 30
     """Bytes of host DRAM (POSIX shared memory) to serve."""
     dram_segments: int = 1
+    """Split DRAM into this many segments (smaller allocator domains)."""
     prefault: bool = True
     """Allocate the DRAM segments' memory at start (as Mooncake registers its buffers), so puts
     never pay for first-touch page faults; False leaves them sparse until written."""
-    """Split DRAM into this many segments (smaller allocator domains)."""
     ssd_dir: str | None = None
     """Directory for the SSD tier's backing file; None disables the tier."""
     ssd_size: int = 0
