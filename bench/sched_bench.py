@@ -3,7 +3,10 @@
 What is timed is the whole decision after tokenisation and block hashing: the KV index walk for
 every prefill candidate, the cost model for each, the decode pick with its ledger prediction,
 and the early-rejection verdict (`global_cache_aware`, admission on). Block hashing is timed
-apart (`block_keys` of the same prompt) since it is per prompt, not per decision.
+apart since it is per prompt, not per decision: `block_keys` of the same prompt and the
+decoding of its keys into the index's integers (`BlockKeys`, as the router does it next to the
+hashing). `--plain-keys` hands the decision plain key strings instead, so it decodes them itself
+(a few microseconds more per decision).
 
 The peer, in the same run and on the same data: the straightforward implementation of the same
 question, one set of keys per instance and a prefix walk per instance (O(instances x blocks)),
@@ -35,6 +38,7 @@ from typing import Any
 from mooncake_k8s.common.blocks import KeyNamespace, block_keys
 from mooncake_k8s.conductor.sched import costmodel
 from mooncake_k8s.conductor.sched.admission import SLO, AdmissionConfig
+from mooncake_k8s.conductor.sched.blocktable import BlockKeys
 from mooncake_k8s.conductor.sched.kvindex import KVIndex
 from mooncake_k8s.conductor.sched.scheduler import (
     DecodeView,
@@ -81,12 +85,12 @@ class World:
                     self.pool.add(k)
             self.prefixes.append(chain)
 
-    def demand(self) -> Demand:
+    def demand(self, plain: bool = False) -> Demand:
         chain = self.rng.choice(self.prefixes)
         # Fresh str objects: a real request's keys are new strings (their hash not cached).
         keys = [str(k[:16]) + k[16:] for k in chain]
         keys += [_key(self.rng) for _ in range(self.prompt_blocks - len(keys))]
-        return Demand(keys, self.prompt_blocks * BLOCK_TOKENS, 256)
+        return Demand(keys if plain else BlockKeys(keys), self.prompt_blocks * BLOCK_TOKENS, 256)
 
 
 def peer_decide(world: World, model: costmodel.CostModel, d: Demand,
@@ -121,7 +125,7 @@ def _pct(xs: list[float], p: float) -> float:
 
 
 def bench_case(blocks: int, instances: int, n: int, prompt_tokens: int, seed: int,
-               model: costmodel.CostModel) -> list[dict[str, Any]]:
+               model: costmodel.CostModel, plain: bool = False) -> list[dict[str, Any]]:
     t0 = time.perf_counter()
     world = World(blocks, instances, prompt_tokens // BLOCK_TOKENS, seed)
     build_s = time.perf_counter() - t0
@@ -138,7 +142,7 @@ def bench_case(blocks: int, instances: int, n: int, prompt_tokens: int, seed: in
     queues = [rng.uniform(0, 2000) for _ in range(instances)]
     prefills = [PrefillView(i, queues[i], world.masks[i]) for i in range(instances)]
     decodes = [DecodeView(i, 0, 0, 0) for i in range(instances)]
-    demands = [world.demand() for _ in range(n + n // 10)]
+    demands = [world.demand(plain) for _ in range(n + n // 10)]
     warm, timed = demands[: n // 10], demands[n // 10:]
     now = 0.0
     for d in warm:
@@ -181,7 +185,7 @@ def hashing_us(prompt_tokens: int, reps: int = 200) -> dict[str, float]:
     for _ in range(reps):
         toks = [rng.randrange(50_000) for _ in range(prompt_tokens)]
         a = time.perf_counter_ns()
-        block_keys(ns, toks)
+        BlockKeys(block_keys(ns, toks))
         xs.append((time.perf_counter_ns() - a) / 1000)
     return {"p50_us": round(statistics.median(xs), 1), "p99_us": round(_pct(xs, 99), 1)}
 
@@ -194,12 +198,15 @@ def main() -> None:
     ap.add_argument("--decisions", type=int, default=20_000)
     ap.add_argument("--prompt-tokens", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plain-keys", action="store_true",
+                    help="demands carry key strings, decoded inside the decision")
     args = ap.parse_args()
     model = costmodel.load()
     rows: list[dict[str, Any]] = []
     for b in (int(x) for x in args.blocks.split(",")):
         for i in (int(x) for x in args.instances.split(",")):
-            got = bench_case(b, i, args.decisions, args.prompt_tokens, args.seed, model)
+            got = bench_case(b, i, args.decisions, args.prompt_tokens, args.seed, model,
+                             args.plain_keys)
             rows += got
             for r in got:
                 print(f"{r['system']:<16} blocks {b:>8,} instances {i:>3}: p50 "
@@ -218,7 +225,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['system']:<16} {r['blocks']:>9,} {r['instances']:>4} {r['p50_us']:>8.1f} "
               f"{r['p99_us']:>8.1f} {r['decisions_per_s']:>9,}")
-    print(f"block hashing ({args.prompt_tokens} tokens, not in the decision): "
+    print(f"block hashing + key decoding ({args.prompt_tokens} tokens, not in the decision): "
           f"p50 {hashing['p50_us']} us, p99 {hashing['p99_us']} us")
     for t in targets:
         print(f"target {t['target']}: {'met' if t['ok'] else 'MISSED'} ({t})")
@@ -227,6 +234,7 @@ def main() -> None:
                 "load_avg_1m": round(os.getloadavg()[0], 2),
                 "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                 "decisions": args.decisions, "prompt_tokens": args.prompt_tokens,
+                "plain_keys": args.plain_keys,
                 "block_tokens": BLOCK_TOKENS}
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows, "hashing": hashing,
                                                "targets": targets}, indent=2) + "\n")

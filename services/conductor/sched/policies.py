@@ -91,7 +91,11 @@ class CacheAwarePrefill:
     def __call__(self, s: Scheduler, prefills: Sequence[PrefillView], match: Match,
                  prompt: int) -> tuple[int, float, int]:
         local = match.local_blocks
-        costs = s.costs(set(local), match, prompt, self.pool)
+        held = match.holding
+        lengths = {local[i] for i in held}
+        if len(held) < len(local):
+            lengths.add(0)
+        costs = s.costs(lengths, match, prompt, self.pool)
         if len(costs) == 1:
             (only,) = costs.values()
             queues = [p.queue_ms for p in prefills]
@@ -103,10 +107,10 @@ class CacheAwarePrefill:
             totals = [p.queue_ms + ms[li] for p, li in zip(prefills, local, strict=True)]
         else:
             # Most candidates hold nothing of the prompt: add their one cost in a tight loop,
-            # then redo the few that hold a prefix (found at C speed).
+            # then redo the few that hold a prefix (the index lists them).
             z = c0[0]
             totals = [p.queue_ms + z for p in prefills]
-            for i in compress(range(len(local)), local):
+            for i in held:
                 totals[i] = prefills[i].queue_ms + costs[local[i]][0]
         ttft = min(totals)
         pi = totals.index(ttft)
@@ -177,7 +181,8 @@ def least_loaded(decodes: Sequence[DecodeView], ledger: DecodeLedger, dcap: int,
     """
     ps, pc = ledger.weights
     seqs, toks = ledger.seqs, ledger.tokens
-    bounds = list(map(ledger.load.__getitem__, [d.slot for d in decodes]))
+    load = ledger.load
+    bounds = [load[d.slot] for d in decodes]  # a comprehension: faster than map here (3.11)
     first = bounds.index(min(bounds))
     bar = _decode_load(decodes[first], seqs, toks, ps, pc, dcap, need)
     if bar == bounds[first]:

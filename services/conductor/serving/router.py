@@ -22,6 +22,7 @@ from mooncake_k8s.common.blocks import KeyNamespace, block_keys
 from mooncake_k8s.common.rpc import serving_pb2 as pb
 from mooncake_k8s.conductor.metrics import ConductorMetrics
 from mooncake_k8s.conductor.sched.admission import Overloaded
+from mooncake_k8s.conductor.sched.blocktable import BlockKeys
 from mooncake_k8s.conductor.sched.scheduler import DecodeView, Demand, PrefillView, Scheduler
 from mooncake_k8s.conductor.serving.errors import NoCapacity
 from mooncake_k8s.conductor.serving.instances import Instance
@@ -148,7 +149,9 @@ class MooncakeRouter:
         assert first is not None
         self.scheduler.block_tokens = first.block_tokens or self.scheduler.block_tokens
         ns = namespace_of(prefills[0], req.tenant)
-        keys = block_keys(ns, req.token_ids)  # once per request: they travel in the plan
+        # Once per request: they travel in the plan. Decoded for the index here too, with the
+        # hashing (BlockKeys), so the decision starts from integers.
+        keys = BlockKeys(block_keys(ns, req.token_ids))
         demand = Demand(keys if req.use_prefix_cache else [], len(req.token_ids),
                         max(1, req.max_tokens),
                         getattr(req, "priority", "interactive"))
@@ -167,7 +170,7 @@ class MooncakeRouter:
                 and decode.report.revision != prefill.report.revision):
             decode = pick_decode(decodes, prefill, len(req.token_ids) + req.max_tokens)
         if dec.replicate and dec.fetch_blocks:
-            self._pin(keys[: dec.local_blocks + dec.fetch_blocks])
+            self._pin(list(keys[: dec.local_blocks + dec.fetch_blocks]))
         return Route(prefill, decode, dec.local_blocks + dec.fetch_blocks, tuple(keys),
                      ns.digest().hex(), dec.local_blocks)
 
