@@ -325,14 +325,14 @@ class KVIndex:
         """The holders of the leading keys held somewhere (up to the first miss): mask ids
         and the list that maps them to masks, or the masks themselves and None."""
         if type(keys) is blocktable.BlockKeys:
-            words = keys.words
+            words, probe = keys.words, keys.probe
         else:
-            words = blocktable.codes(keys) if keys else None
+            words, probe = blocktable.codes(keys) if keys else None, None
         if words is None or not len(words):
             if self._table.count:  # some keys may be the table's: ask per key
                 return list(takewhile(int.__bool__, map(self._get, keys))), None
             return list(takewhile(int.__bool__, map(self._holders.get, keys, repeat(0)))), None
-        held: list[int] = self._table.lookup(words).tolist()
+        held: list[int] = self._table.lookup(words, probe).tolist()
         if 0 in held:
             del held[held.index(0):]
         return held, self._mask_of

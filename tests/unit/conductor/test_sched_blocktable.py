@@ -19,7 +19,7 @@ import pytest
 import test_sched_recorded as recorded  # type: ignore[import-not-found]
 
 from mooncake_k8s.conductor.sched import blocktable
-from mooncake_k8s.conductor.sched.blocktable import BlockTable, code, codes
+from mooncake_k8s.conductor.sched.blocktable import BlockKeys, BlockTable, code, codes
 from mooncake_k8s.conductor.sched.kvindex import DRAM, EVICTED, SPILLED, SSD, STORED, KVIndex, Match
 
 
@@ -112,7 +112,8 @@ class HexIndex(KVIndex):
         return super().holders(_hex(key))
 
     def match(self, keys: Sequence[Hashable], masks: Sequence[int]) -> Match:
-        return super().match([_hex(k) for k in keys], masks)
+        """Through `BlockKeys`, as the router asks."""
+        return super().match(BlockKeys(_hex(k) for k in keys), masks)
 
 
 def test_recorded_decisions_with_hex_keys(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -146,7 +147,9 @@ def test_index_over_hex_keys_answers_as_over_names() -> None:
         hexes.apply(*ev)
         if step % 50 == 0:
             keys = [f"k{i}" for i in range(rng.randrange(0, 60))]
-            assert hexes.match(keys, masks) == names.match(keys, masks)
+            want = names.match(keys, masks)
+            assert hexes.match(keys, masks) == want
+            assert KVIndex.match(hexes, [_hex(k) for k in keys], masks) == want  # plain keys
             k = f"k{rng.randrange(60)}"
             assert hexes.holders(k) == names.holders(k)
             assert len(hexes) == len(names)
