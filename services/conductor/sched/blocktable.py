@@ -217,7 +217,9 @@ class BlockTable:
     def _grow(self) -> None:
         """Double the slots and put every live key back: most in two vectorised passes (each
         key's first slot, then its second, where no other key claims it), the rest through
-        `_place`."""
+        `_place`. Rare (once per doubling) but not free: 0.15 s at half a million keys, 0.4 s
+        at a million on the dev box, during which the event loop applies no event (the dict's
+        own resizing at 1.4 million keys took 0.08 s)."""
         live = np.flatnonzero(self._values)
         words = self._rows[live, :2]
         values = self._values[live]
