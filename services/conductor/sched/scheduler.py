@@ -27,10 +27,10 @@ from mooncake_k8s.conductor.sched.admission import (
 )
 from mooncake_k8s.conductor.sched.costmodel import CostModel
 from mooncake_k8s.conductor.sched.kvindex import KVIndex, Match
-from mooncake_k8s.conductor.sched.policies import POLICIES, Policy, least_loaded, picks
+from mooncake_k8s.conductor.sched.policies import POLICIES, Policy, picks
 
 __all__ = ["POLICIES", "Decision", "DecodeView", "Demand", "Policy", "PrefillView",
-           "Scheduler", "SchedulerConfig", "least_loaded"]
+           "Scheduler", "SchedulerConfig"]
 
 
 @dataclass(frozen=True)

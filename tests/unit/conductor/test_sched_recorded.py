@@ -24,6 +24,7 @@ from typing import Any
 from mooncake_k8s.conductor.sched.admission import SLO, AdmissionConfig, DecodeLedger
 from mooncake_k8s.conductor.sched.costmodel import CostModel, Decode, Link, Prefill
 from mooncake_k8s.conductor.sched.kvindex import SSD, KVIndex
+from mooncake_k8s.conductor.sched.policies import least_loaded
 from mooncake_k8s.conductor.sched.scheduler import (
     POLICIES,
     Decision,
@@ -32,7 +33,6 @@ from mooncake_k8s.conductor.sched.scheduler import (
     PrefillView,
     Scheduler,
     SchedulerConfig,
-    least_loaded,
 )
 
 RECORDING = Path(__file__).with_name("sched_decisions.json")
