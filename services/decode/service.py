@@ -95,6 +95,7 @@ class DecodeService(Worker):
             load = self.engine.load()
             rep.running = load.running + load.waiting
             rep.waiting = load.waiting
+            rep.queued_tokens = load.waiting_tokens
             rep.kv_free_tokens = load.kv_free_tokens
             rep.kv_capacity_tokens = load.kv_capacity_tokens
             self.m_running.set(load.running)

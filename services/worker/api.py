@@ -60,6 +60,9 @@ class EngineLoad:
     waiting: int = 0
     kv_free_tokens: int = 0
     kv_capacity_tokens: int = 0
+    waiting_tokens: int = 0
+    """Context tokens of the `waiting` sequences: the decode load still to come, in the unit of
+    the KV numbers (0 where the engine does not say, e.g. vLLM and SGLang)."""
 
 
 @dataclass(frozen=True)

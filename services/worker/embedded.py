@@ -205,9 +205,11 @@ class EmbeddedDecode(_Embedded):
 
     def load(self) -> EngineLoad:
         load = self.engine.load()
-        return EngineLoad(running=load.running, waiting=len(self._waiting),
+        waiting = self._waiting  # the engine thread rebinds it; read one list
+        return EngineLoad(running=load.running, waiting=len(waiting),
                           kv_free_tokens=load.kv_free_tokens,
-                          kv_capacity_tokens=load.kv_capacity_tokens)
+                          kv_capacity_tokens=load.kv_capacity_tokens,
+                          waiting_tokens=sum(len(s.work.token_ids) for s in waiting))
 
     def decode(self, work: DecodeWork, cancelled: threading.Event) -> Iterator[TokenOut]:
         with tracing.span("decode.load_kv", request_id=work.request_id):
