@@ -1,8 +1,27 @@
-"""The Conductor's Prometheus metrics (names are part of the autoscaler's contract)."""
+"""The Conductor's Prometheus metrics (names are part of the autoscaler's contract).
+
+The load gauges are set at scrape time from the instances' latest load reports
+(`observe_pools`), over the instances in rotation only (a draining or unready one is leaving):
+
+- `mooncake_conductor_queue_tokens{role}`: tokens waiting at the instances of a role: prompt
+  tokens queued or being computed (prefill), context tokens of sequences waiting for a batch
+  slot (decode). Before decode reported tokens, its decode series was a count of sequences.
+- `mooncake_conductor_decode_load_tokens`: what the decode instances hold and have waiting, in
+  KV tokens: (capacity - free) + the decode queue above. The autoscaler divides it by
+  `targetQueueTokensPerDecode`; a running sequence counts what its KV holds, so a decode pool
+  busy with long generations shows as loaded even when nothing waits.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from mooncake_k8s.common.rpc import serving_pb2 as pb
+    from mooncake_k8s.conductor.serving.instances import Instance
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
@@ -37,6 +56,10 @@ class ConductorMetrics:
         self.queue_tokens = Gauge("mooncake_conductor_queue_tokens",
                                   "Tokens queued at the instances of a role", ["role"],
                                   registry=r)
+        self.decode_load_tokens = Gauge(
+            "mooncake_conductor_decode_load_tokens",
+            "KV tokens held by the decode instances plus context tokens waiting there",
+            registry=r)
         self.instances = Gauge("mooncake_conductor_instances", "Instances by role and state",
                                ["role", "state"], registry=r)
         self.retries = Counter("mooncake_conductor_retries_total",
@@ -55,3 +78,20 @@ class ConductorMetrics:
             "mooncake_conductor_header_timeouts_total",
             "Connections closed for not sending a complete request head in time (slowloris)",
             registry=r)
+
+    def observe_pools(self, prefills: Iterable[Instance], decodes: Iterable[Instance]) -> None:
+        """Set the instance and load gauges from the latest load reports (at scrape time)."""
+        for role, pool in (("prefill", list(prefills)), ("decode", list(decodes))):
+            ok = [i for i in pool if i.usable]
+            self.instances.labels(role, "ready").set(len(ok))
+            self.instances.labels(role, "unready").set(len(pool) - len(ok))
+            reports = [i.report for i in ok if i.report is not None]
+            self.queue_tokens.labels(role).set(sum(r.queued_tokens for r in reports))
+            if role == "decode":
+                self.decode_load_tokens.set(decode_load_tokens(reports))
+
+
+def decode_load_tokens(reports: Iterable[pb.LoadReport]) -> int:
+    """KV tokens the decode instances hold plus the context tokens waiting for their batch."""
+    return sum(max(0, r.kv_capacity_tokens - r.kv_free_tokens) + r.queued_tokens
+               for r in reports)

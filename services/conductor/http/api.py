@@ -128,14 +128,8 @@ class Frontend:
         return web.Response(text="ready\n")
 
     async def metrics_handler(self, _r: web.Request) -> web.Response:
-        for role, pool in (("prefill", self.pipeline.prefills), ("decode", self.pipeline.decodes)):
-            insts = list(pool.instances.values())
-            ok = [i for i in insts if i.usable]
-            self.metrics.instances.labels(role, "ready").set(len(ok))
-            self.metrics.instances.labels(role, "unready").set(len(insts) - len(ok))
-            queued = sum((i.report.queued_tokens if role == "prefill" else i.report.running)
-                         for i in ok if i.report)
-            self.metrics.queue_tokens.labels(role).set(queued)
+        self.metrics.observe_pools(self.pipeline.prefills.instances.values(),
+                                   self.pipeline.decodes.instances.values())
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
