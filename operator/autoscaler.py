@@ -1,13 +1,18 @@
 """The SLO autoscaler's decision: a pure function of a policy, a metric sample and history.
 
 Each interval the operator scrapes every Conductor pod, builds one `MetricsSample`, and calls
-`decide`. The decision runs in three steps:
+`decide` with each role's desired and ready replica counts. The policy, for users, is in
+docs/autoscaling.md. The decision runs in three steps:
 
 1. *Recommend* from the latest sample alone: enough prefill pods to keep queued prompt tokens per
-   pod at the target, likewise for decode; one more prefill when the predicted TTFT headroom is
-   negative, one more of each when the rejection rate is above its bound. A usage within 10% of
-   the target keeps the current count (no flapping on noise), and prefill never shrinks while
-   TTFT headroom is under 10% of the SLO.
+   pod at the target, enough decode pods to keep the decode load (KV tokens held plus context
+   tokens waiting, `mooncake_conductor_decode_load_tokens`) per pod at its target; one more
+   prefill when the predicted TTFT headroom is negative, one more of each when the rejection
+   rate is above its bound. A usage within 10% of the target keeps the current count (no
+   flapping on noise), and prefill never shrinks while TTFT headroom is under 10% of the SLO.
+   Pods not ready yet are capacity on its way: the desired count (not the ready one) is what the
+   load is divided against, and a role with pods still starting gets no "one more" step, which
+   would otherwise add a pod every interval until the first new one has loaded its model.
 2. *Stabilize* per role like the HPA: scale up to the smallest recommendation of the up window
    (pressure must persist), down to the largest of the down window, and only once the history
    covers the whole down window (an operator restart never triggers a scale-down).
@@ -15,20 +20,22 @@ Each interval the operator scrapes every Conductor pod, builds one `MetricsSampl
    bounds, raising the smaller side when it can (never dropping capacity to satisfy a ratio).
 
 Multiple Conductor pods: queues and headroom describe shared instances, so the worst value
-(max queue, min headroom) is used; counters are summed.
+(max queue, min headroom) is used; counters are summed. A Conductor that exports no decode load
+(an older version, during an upgrade) leaves decode where it is rather than read as idle.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from mooncake_k8s.operator import metrics
 
 TOLERANCE = 0.1
+ROLES = ("prefill", "decode")
 _EPS = 1e-9
 
 
@@ -67,7 +74,8 @@ class Policy:
 class MetricsSample:
     time: float
     prefill_queue_tokens: float
-    decode_queue_tokens: float
+    decode_load_tokens: float | None
+    """None when no Conductor exported it: decode then keeps its count."""
     ttft_headroom_ms: float | None
     rejections_total: float
     requests_total: float
@@ -97,24 +105,40 @@ class Decision:
 
 def sample_from_texts(texts: Iterable[str], now: float) -> MetricsSample | None:
     """One sample from the /metrics of every Conductor pod, or None if none had our metrics."""
-    pq, dq, heads, rej, req, seen = [], [], [], 0.0, 0.0, False
+    pq: list[float] = []
+    dl: list[float] = []
+    heads: list[float] = []
+    rej = req = 0.0
     for text in texts:
         ss = metrics.samples(text)
         p = metrics.total(ss, "mooncake_conductor_queue_tokens", role="prefill")
-        d = metrics.total(ss, "mooncake_conductor_queue_tokens", role="decode")
+        d = metrics.total(ss, "mooncake_conductor_decode_load_tokens")
         if p is None and d is None:
             continue
-        seen = True
         pq.append(p or 0.0)
-        dq.append(d or 0.0)
+        if d is not None:
+            dl.append(d)
         h = metrics.total(ss, "mooncake_conductor_predicted_ttft_headroom_ms")
         if h is not None:
             heads.append(h)
         rej += metrics.total(ss, "mooncake_conductor_rejections_total") or 0.0
         req += metrics.total(ss, "mooncake_conductor_requests_total") or 0.0
-    if not seen:
+    if not pq:
         return None
-    return MetricsSample(now, max(pq), max(dq), min(heads) if heads else None, rej, req)
+    return MetricsSample(now, max(pq), max(dl) if dl else None, min(heads) if heads else None,
+                         rej, req)
+
+
+def ready_counts(workloads: Mapping[str, Mapping[str, Any]]) -> tuple[int, int] | None:
+    """Ready pods of (prefill, decode) from their StatefulSets' `status.readyReplicas` (absent
+    while none is ready); None when either StatefulSet is not there to say."""
+    out = []
+    for role in ("prefill", "decode"):
+        sts = workloads.get(role)
+        if sts is None:
+            return None
+        out.append(int((sts.get("status") or {}).get("readyReplicas") or 0))
+    return out[0], out[1]
 
 
 def _by_usage(current: int, queue: float, target: int) -> int:
@@ -147,14 +171,21 @@ def clamp(p: int, d: int, pol: Policy) -> tuple[int, int]:
 
 
 def recommend(pol: Policy, current: tuple[int, int], sample: MetricsSample,
-              previous: MetricsSample | None) -> tuple[Recommendation, list[str]]:
+              previous: MetricsSample | None,
+              ready: tuple[int, int] | None = None) -> tuple[Recommendation, list[str]]:
+    """This sample's counts before stabilisation; `ready` (None: unknown) tells which desired
+    pods are still starting, and a role with any gets no "one more" step."""
     cur_p, cur_d = current
+    starting = (max(0, cur_p - ready[0]), max(0, cur_d - ready[1])) if ready else (0, 0)
+    step_p, step_d = (0 if n else 1 for n in starting)
     p = _by_usage(cur_p, sample.prefill_queue_tokens, pol.target_prefill_tokens)
-    d = _by_usage(cur_d, sample.decode_queue_tokens, pol.target_decode_tokens)
-    why = [f"queues {sample.prefill_queue_tokens:.0f}/{sample.decode_queue_tokens:.0f} tokens"]
+    load = sample.decode_load_tokens
+    d = cur_d if load is None else _by_usage(cur_d, load, pol.target_decode_tokens)
+    why = [f"prefill queue {sample.prefill_queue_tokens:.0f} tokens, decode load "
+           + ("unknown" if load is None else f"{load:.0f} tokens")]
     head = sample.ttft_headroom_ms
     if head is not None and head < 0:
-        p = max(p, cur_p + 1)
+        p = max(p, cur_p + step_p)
         why.append(f"TTFT headroom {head:.0f}ms")
     elif head is not None and head < TOLERANCE * pol.ttft_slo_ms:
         p = max(p, cur_p)  # close to the SLO: never shrink prefill here
@@ -162,8 +193,9 @@ def recommend(pol: Policy, current: tuple[int, int], sample: MetricsSample,
         d_req = sample.requests_total - previous.requests_total
         d_rej = sample.rejections_total - previous.rejections_total
         if d_req > 0 and d_rej >= 0 and d_rej / d_req > pol.max_rejection_rate:
-            p, d = max(p, cur_p + 1), max(d, cur_d + 1)
+            p, d = max(p, cur_p + step_p), max(d, cur_d + step_d)
             why.append(f"rejecting {d_rej / d_req:.1%}")
+    why += [f"{n} {role} starting" for role, n in zip(ROLES, starting, strict=True) if n]
     p, d = clamp(p, d, pol)
     return Recommendation(sample.time, p, d), why
 
@@ -179,9 +211,10 @@ def _stabilize(cur: int, ups: list[int], downs: list[int], covered: bool) -> int
 
 
 def decide(pol: Policy, current: tuple[int, int], state: ScalerState,
-           sample: MetricsSample) -> Decision:
-    """Replica counts for (prefill, decode); updates `state` with this sample."""
-    rec, why = recommend(pol, current, sample, state.last_sample)
+           sample: MetricsSample, ready: tuple[int, int] | None = None) -> Decision:
+    """Replica counts for (prefill, decode) from the desired `current` and the `ready` counts
+    (see `ready_counts`); updates `state` with this sample."""
+    rec, why = recommend(pol, current, sample, state.last_sample, ready)
     state.last_sample = sample
     state.history.append(rec)
     horizon = max(pol.up_window_s, pol.down_window_s)

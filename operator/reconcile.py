@@ -248,7 +248,8 @@ async def autoscale(runtime: Runtime, cluster: Obj, observed: status.Observed,
     if sample is None:
         return None
     mem.last_decision = now
-    decision = autoscaler.decide(autoscaler.Policy.from_spec(spec), current, mem.scaler, sample)
+    decision = autoscaler.decide(autoscaler.Policy.from_spec(spec), current, mem.scaler, sample,
+                                 autoscaler.ready_counts(observed.workloads))
     meta = cluster["metadata"]
     ns = meta.get("namespace") or "default"
     for role, count, old in (("prefill", decision.prefill, current[0]),

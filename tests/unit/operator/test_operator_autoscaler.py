@@ -13,6 +13,7 @@ from mooncake_k8s.operator.autoscaler import (
     ScalerState,
     clamp,
     decide,
+    ready_counts,
     sample_from_texts,
 )
 
@@ -28,18 +29,19 @@ def policy(**kw: float) -> Policy:
     return Policy(**base)  # type: ignore[arg-type]
 
 
-def sample(t: float, pq: float = 1000, dq: float = 2000, head: float | None = 800,
+def sample(t: float, pq: float = 1000, dq: float | None = 2000, head: float | None = 800,
            rej: float = 0, req: float = 0) -> MetricsSample:
     return MetricsSample(t, pq, dq, head, rej, req)
 
 
 def run(pol: Policy, start: tuple[int, int], series: Iterable[MetricsSample],
-        state: ScalerState | None = None) -> list[tuple[float, Decision]]:
+        state: ScalerState | None = None,
+        ready: tuple[int, int] | None = None) -> list[tuple[float, Decision]]:
     """Feed samples in order, applying each decision as the next current count."""
     st = state or ScalerState()
     cur, out = start, []
     for s in series:
-        d = decide(pol, cur, st, s)
+        d = decide(pol, cur, st, s, ready)
         cur = (d.prefill, d.decode)
         out.append((s.time, d))
     return out
@@ -163,7 +165,9 @@ def test_sample_from_several_conductors() -> None:
     a = """
 # TYPE mooncake_conductor_queue_tokens gauge
 mooncake_conductor_queue_tokens{role="prefill"} 1200
-mooncake_conductor_queue_tokens{role="decode"} 300
+mooncake_conductor_queue_tokens{role="decode"} 7
+# TYPE mooncake_conductor_decode_load_tokens gauge
+mooncake_conductor_decode_load_tokens 300
 # TYPE mooncake_conductor_predicted_ttft_headroom_ms gauge
 mooncake_conductor_predicted_ttft_headroom_ms 400
 # TYPE mooncake_conductor_rejections_total counter
@@ -176,3 +180,67 @@ mooncake_conductor_requests_total{route="completions"} 10
     s = sample_from_texts([a, b, "garbage {{{"], now=42.0)
     assert s == MetricsSample(42.0, 1500.0, 300.0, -20.0, 5.0, 200.0)
     assert sample_from_texts(["# nothing here\n", "up 1\n"], now=1.0) is None
+
+
+def test_an_older_conductor_without_decode_load_leaves_decode_alone() -> None:
+    # Its decode queue series counted sequences, not tokens: it must not be read as load.
+    text = ('mooncake_conductor_queue_tokens{role="prefill"} 100\n'
+            'mooncake_conductor_queue_tokens{role="decode"} 3\n')
+    s = sample_from_texts([text], now=0.0)
+    assert s is not None and s.decode_load_tokens is None
+    pol = policy(up_window_s=0, down_window_s=0)
+    assert counts(run(pol, (1, 4), [s])) == [(1, 4)]
+    assert "decode load unknown" in run(pol, (1, 4), [s])[0][1].reason
+
+
+def test_decode_load_scales_decode_alone() -> None:
+    pol = policy(up_window_s=0)
+    trace = run(pol, (2, 2), [sample(0, pq=2000, dq=9000)])
+    assert counts(trace) == [(2, 5)]  # 9000 KV tokens / 2000 per pod
+
+
+def _sts(ready: int | None) -> dict[str, object]:
+    return {"kind": "StatefulSet", "status": {} if ready is None else {"readyReplicas": ready}}
+
+
+def test_ready_counts_come_from_the_statefulsets() -> None:
+    assert ready_counts({"prefill": _sts(2), "decode": _sts(None), "conductor": _sts(1)}) == (2, 0)
+    assert ready_counts({"prefill": _sts(2)}) is None  # decode not observed: unknown
+
+
+def test_starting_pods_stop_the_rejection_step_from_overshooting() -> None:
+    """Rejections go on while the added decode pod loads its model (4 intervals here): without
+    the ready counts every interval adds one more; with them, one pod is added and the next
+    step waits until it is ready."""
+    pol = policy(up_window_s=0)
+    series = [sample(i * STEP, pq=2000, dq=4000, rej=100 * i, req=1000 * i) for i in range(6)]
+    blind = run(pol, (2, 2), series)
+    assert [d for _, d in counts(blind)] == [2, 3, 4, 5, 6, 7]
+    st, cur, got, reasons = ScalerState(), (2, 2), [], []
+    for i, s in enumerate(series):
+        ready = (2, 2 if i < 5 else 3)  # the third decode is ready at the last sample
+        dec = decide(pol, cur, st, s, ready)
+        cur = (dec.prefill, dec.decode)
+        got.append(dec.decode)
+        reasons.append(dec.reason)
+    assert got == [2, 3, 3, 3, 3, 4]
+    assert "rejecting 10.0%" in reasons[2] and "1 decode starting" in reasons[2]
+
+
+def test_starting_pods_count_as_capacity_for_the_load_rule() -> None:
+    # 8000 decode tokens = 4 pods at target; 4 desired, 1 ready: the 3 loading cover it.
+    pol = policy(up_window_s=0)
+    d = decide(pol, (1, 4), ScalerState(), sample(0, pq=1000, dq=8000), ready=(1, 1))
+    assert (d.prefill, d.decode) == (1, 4)
+    assert "3 decode starting" in d.reason
+    # Load beyond what is coming still scales: 12000 tokens need 6.
+    d = decide(pol, (1, 4), ScalerState(), sample(0, pq=1000, dq=12000), ready=(1, 1))
+    assert d.decode == 6
+
+
+def test_starting_prefill_pods_hold_the_headroom_step() -> None:
+    pol = policy(up_window_s=0)
+    assert counts(run(pol, (2, 2), [sample(0, pq=2000, dq=4000, head=-150)], ready=(1, 2))) == [
+        (2, 2)]
+    assert counts(run(pol, (2, 2), [sample(0, pq=2000, dq=4000, head=-150)], ready=(2, 2))) == [
+        (3, 2)]
