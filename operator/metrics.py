@@ -7,8 +7,8 @@ The operator scrapes the store master (capacity, usage, hit rate) and each Condu
 Metric names this module assumes (the Conductor's are agreed in the operator issue):
 `mooncake_store_capacity_bytes`, `mooncake_store_used_bytes`, `mooncake_store_lookups_total
 {result=hit|miss}` from the master; `mooncake_conductor_queue_tokens{role}`,
-`mooncake_conductor_predicted_ttft_headroom_ms`, `mooncake_conductor_rejections_total`,
-`mooncake_conductor_requests_total` from the Conductor.
+`mooncake_conductor_decode_load_tokens`, `mooncake_conductor_predicted_ttft_headroom_ms`,
+`mooncake_conductor_rejections_total`, `mooncake_conductor_requests_total` from the Conductor.
 """
 
 from __future__ import annotations
