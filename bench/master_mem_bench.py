@@ -82,7 +82,7 @@ def child(n: int, key_len: int, nodes: int, traced: bool) -> Row:
         sys.path.insert(0, code)
     import mooncake_k8s
     from mooncake_k8s.common.rpc import store_pb2 as pb
-    from mooncake_k8s.store.metadata import MasterState
+    from mooncake_k8s.store.master.state import MasterState
 
     clock = [1000.0]
     st = MasterState(now=lambda: clock[0], wall=lambda: 1_700_000_000.0)

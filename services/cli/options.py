@@ -47,7 +47,7 @@ class MastersType(click.ParamType):  # type: ignore[type-arg]
     def convert(self, value: Any, param: click.Parameter | None,
                 ctx: click.Context | None) -> str:
         from mooncake_k8s.common.errors import InvalidArgument
-        from mooncake_k8s.store.masterlink import parse_masters
+        from mooncake_k8s.store.client.masterlink import parse_masters
 
         try:
             return ",".join(parse_masters(str(value)))

@@ -21,7 +21,7 @@ class EnvVar:
 
 
 READ_DIRECTLY: tuple[EnvVar, ...] = (
-    EnvVar("MOONCAKE_STORE_REPLICAS", "services/store/answers.py",
+    EnvVar("MOONCAKE_STORE_REPLICAS", "services/store/client/client.py",
            "Copies each put makes unless it says otherwise (1..8); what the operator renders "
            "from store.replicationFactor. Read by every StoreClient, so it reaches the engines' "
            "plug-ins in their child processes too (workers also take --store-replicas)."),

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from mooncake_k8s.common.errors import AuthError, InvalidArgument, ProtocolError, TransferError
-from mooncake_k8s.store.pagepool import (
+from mooncake_k8s.store.client.pagepool import (
     Page,
     PoolUnavailable,
     check_pages,

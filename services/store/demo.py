@@ -13,12 +13,12 @@ from collections.abc import Callable
 import numpy as np
 from google.protobuf.json_format import MessageToDict
 
-from mooncake_k8s.store.testing import StoreCluster
+from mooncake_k8s.store.cluster import LocalCluster
 
 
 def run_demo(size: int = 4 << 20, say: Callable[[str], None] = print) -> None:
     token = secrets.token_hex(16)
-    with StoreCluster(token=token) as cluster:
+    with LocalCluster(token=token) as cluster:
         t0 = time.monotonic()
         cluster.start_master()
         cluster.start_node("demo-node", "256MiB")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mooncake_k8s.store.node import NodeConfig, StorageNode
+from mooncake_k8s.store.node.server import NodeConfig, StorageNode
 
 
 @dataclass(frozen=True)

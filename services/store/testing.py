@@ -1,4 +1,5 @@
-"""A harness that runs a real store cluster (master + nodes as child processes) on loopback.
+"""A harness that runs a real store cluster (master + nodes as child processes) on loopback:
+`cluster.LocalCluster` with what tests need (restarts, pauses, waits on metrics).
 
 Shipped in the package, like `kopf.testing`, so tests, benchmarks and users' own tests start
 the same processes the CLI starts, and nothing is mocked.
@@ -12,8 +13,6 @@ import random
 import signal
 import socket
 import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +24,7 @@ import numpy as np
 from mooncake_k8s.common.errors import StoreError
 from mooncake_k8s.common.netutil import free_port
 from mooncake_k8s.common.procs import Proc
-from mooncake_k8s.store.client import StoreClient
+from mooncake_k8s.store.cluster import LocalCluster
 
 
 def metric_value(text: str, name: str, labels: str = "") -> float:
@@ -60,54 +59,10 @@ def _with_metrics_port(args: list[str], port: int) -> list[str]:
 
 
 @dataclass
-class StoreCluster:
-    """Master and nodes as real processes. Use as a context manager."""
+class StoreCluster(LocalCluster):
+    """A `LocalCluster` for tests: nodes and the master restarted, paused and waited for."""
 
     token: str = "test-token"
-    master_args: list[str] = field(default_factory=list)
-    master_state: bool = True
-    """Give the master a --state-dir under `workdir`: a first start is then not gated, and a
-    restart waits exactly for the nodes it knew (see `store.recovery`)."""
-    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="mc-store-")))
-    master_port: int = field(default_factory=free_port)
-    master: Proc | None = None
-    nodes: dict[str, Proc] = field(default_factory=dict)
-
-    @property
-    def master_address(self) -> str:
-        return f"127.0.0.1:{self.master_port}"
-
-    def _spawn(self, name: str, args: list[str], metrics_port: int) -> Proc:
-        log_path = self.workdir / f"{name}.log"
-        env = {**os.environ, "MOONCAKE_CLUSTER_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
-        with open(log_path, "ab") as log:
-            popen = subprocess.Popen(
-                [sys.executable, "-m", "mooncake_k8s.cli", "store", *args],
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-            )
-        return Proc(name, args, popen, log_path, metrics_port)
-
-    def start_master(self, *extra: str) -> Proc:
-        mport = free_port()
-        args = ["master", "--port", str(self.master_port), "--metrics-port", str(mport),
-                *self.master_args, *extra]
-        if self.master_state:
-            args += ["--state-dir", str(self.workdir / "master-state")]
-        self.master = self._spawn("master", args, mport)
-        self.wait_master()
-        return self.master
-
-    def start_node(
-        self, node_id: str, dram_size: str = "64MiB", *extra: str, wait: bool = True
-    ) -> Proc:
-        mport = free_port()
-        args = ["node", "--master", self.master_address, "--node-id", node_id,
-                "--dram-size", dram_size, "--metrics-port", str(mport), *extra]
-        proc = self._spawn(f"node-{node_id}", args, mport)
-        self.nodes[node_id] = proc
-        if wait:
-            self.wait_nodes(len([n for n in self.nodes.values() if n.alive()]))
-        return proc
 
     def restart_node(self, node_id: str, sig: int = signal.SIGKILL) -> Proc:
         """Kill a node's process and start a new one with the same id and arguments; returns
@@ -163,43 +118,6 @@ class StoreCluster:
                     return
             time.sleep(0.05)
         raise TimeoutError(f"nodes did not report {objects} objects within {timeout}s")
-
-    def client(self, **kwargs: object) -> StoreClient:
-        return StoreClient(self.master_address, self.token, **kwargs)  # type: ignore[arg-type]
-
-    def wait_master(self, timeout: float = 30.0) -> None:
-        self._wait(lambda c: c.stats() is not None, timeout, "master")
-
-    def wait_nodes(self, n: int, timeout: float = 30.0) -> None:
-        self._wait(lambda c: c.stats().nodes >= n, timeout, f"{n} nodes")
-
-    def _wait(self, ready: object, timeout: float, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        with StoreClient(self.master_address, self.token, timeout_s=2) as c:
-            while time.monotonic() < deadline:
-                if self.master is not None and not self.master.alive():
-                    raise RuntimeError(f"master exited:\n{self.master.log()[-3000:]}")
-                with contextlib.suppress(StoreError):
-                    if ready(c):  # type: ignore[operator]
-                        return
-                time.sleep(0.05)
-        raise TimeoutError(f"{what} not ready within {timeout}s")
-
-    def kill(self, proc: Proc, sig: int = signal.SIGKILL) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.popen.pid, sig)
-        proc.popen.wait(timeout=15)
-
-    def stop(self) -> None:
-        for proc in [*self.nodes.values(), *([self.master] if self.master else [])]:
-            if proc.alive():
-                self.kill(proc, signal.SIGTERM)
-
-    def __enter__(self) -> StoreCluster:
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        self.stop()
 
 
 @contextlib.contextmanager

@@ -25,8 +25,7 @@ ENTRY_POINTS = {"cli", "up", "supervise"}
 TOOLS = {"testing", "demo"}
 """Modules that may use the test harnesses."""
 SERVERS = {
-    "store": {"master", "servicer", "metadata", "membership", "tiering", "spaces", "records",
-              "allocator", "recovery", "ha", "node", "fastpath"},
+    "store": {"master", "node"},
     "sidecar": {"server"},
     "conductor": {"http", "serving", "service"},
     "prefill": {"service"},

@@ -46,7 +46,7 @@ def open_pool(extra: dict[str, Any]) -> Any:
         from mooncake_k8s.sidecar.client import SidecarPagePool
 
         return SidecarPagePool(str(extra["sidecar"]))
-    from mooncake_k8s.store.pagepool import DirectPagePool
+    from mooncake_k8s.store.client.pagepool import DirectPagePool
 
     return DirectPagePool(str(extra["master"]), os.environ.get("MOONCAKE_CLUSTER_TOKEN", ""),
                           transport=str(extra.get("transport", "auto")))

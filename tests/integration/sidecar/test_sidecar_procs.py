@@ -21,7 +21,7 @@ from mooncake_k8s.common.errors import AuthError
 from mooncake_k8s.common.netutil import free_port
 from mooncake_k8s.sidecar.client import SidecarPagePool
 from mooncake_k8s.sidecar.testing import Pages, SidecarProc, page_bytes
-from mooncake_k8s.store.pagepool import DirectPagePool, PagePool, PoolUnavailable
+from mooncake_k8s.store.client.pagepool import DirectPagePool, PagePool, PoolUnavailable
 from mooncake_k8s.store.testing import StoreCluster
 
 pytestmark = pytest.mark.timeout(120)

@@ -12,14 +12,10 @@ import pytest
 from mooncake_k8s.common.errors import AuthError, ObjectExists, ObjectNotFound
 from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.store.client import StoreClient
-from mooncake_k8s.store.fastpath import (
-    MAGIC,
-    MAX_UNAUTHENTICATED,
-    VERSION,
-    FastPathClient,
-    FastPathError,
-)
+from mooncake_k8s.store.client.fastpath import FastPathClient, FastPathError
+from mooncake_k8s.store.master.fastpath import MAX_UNAUTHENTICATED
 from mooncake_k8s.store.testing import StoreCluster
+from mooncake_k8s.store.wire import MAGIC, VERSION
 
 KiB = 1 << 10
 

@@ -13,8 +13,8 @@ import torch
 
 from mooncake_k8s.common.errors import InvalidArgument
 from mooncake_k8s.common.netutil import free_port
-from mooncake_k8s.store import pagepool as pp
-from mooncake_k8s.store.pagepool import DirectPagePool, PagePool, PoolUnavailable
+from mooncake_k8s.store.client import pagepool as pp
+from mooncake_k8s.store.client.pagepool import DirectPagePool, PagePool, PoolUnavailable
 from mooncake_k8s.store.testing import StoreCluster
 
 KiB = 1 << 10

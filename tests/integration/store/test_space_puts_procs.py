@@ -117,8 +117,9 @@ def test_refusals_name_their_error_code_on_both_paths() -> None:
     """One typed error enum on the wire: the `mooncake-error` trailer, not message text, decides
     the client's exception (gRPC and the fast path alike)."""
     from mooncake_k8s.common.errors import ObjectTooLarge
-    from mooncake_k8s.store.fastpath import FastPathClient, FastPathError
-    from mooncake_k8s.store.masterlink import ERROR_KEY, trailers_of
+    from mooncake_k8s.store.client.fastpath import FastPathClient, FastPathError
+    from mooncake_k8s.store.client.masterlink import trailers_of
+    from mooncake_k8s.store.wire import ERROR_KEY
 
     with StoreCluster() as cluster:
         cluster.start_master()

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mooncake_k8s.store.allocator import ALIGN, SegmentAllocator, align_up
+from mooncake_k8s.store.master.allocator import ALIGN, SegmentAllocator, align_up
 
 
 def test_alloc_aligns_and_accounts() -> None:

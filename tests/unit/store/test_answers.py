@@ -16,8 +16,9 @@ from mooncake_k8s.common.errors import (
     StoreError,
 )
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.store.answers import code_error, code_of, end_errors, start_error
-from mooncake_k8s.store.metadata import MasterState, PutNotFound, PutSuperseded, UnknownNode
+from mooncake_k8s.store.client.errors import end_errors, start_error
+from mooncake_k8s.store.master.state import MasterState, PutNotFound, PutSuperseded, UnknownNode
+from mooncake_k8s.store.wire import code_error, code_of
 
 KiB = 1 << 10
 

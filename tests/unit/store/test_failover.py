@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from mooncake_k8s.store.failover import PeerHealth
+from mooncake_k8s.store.client.failover import PeerHealth
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,15 @@ import pytest
 
 from mooncake_k8s.common.errors import InvalidArgument
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.store.ha import Fenced, Holder, JournalEntry, RedisCoordinator, redis_location
-from mooncake_k8s.store.masterlink import parse_masters
-from mooncake_k8s.store.metadata import MasterState
+from mooncake_k8s.store.client.masterlink import parse_masters
+from mooncake_k8s.store.master.ha import (
+    Fenced,
+    Holder,
+    JournalEntry,
+    RedisCoordinator,
+    redis_location,
+)
+from mooncake_k8s.store.master.state import MasterState
 from mooncake_k8s.store.testing import RedisServer
 
 KiB = 1 << 10

@@ -18,9 +18,9 @@ import pytest
 
 from mooncake_k8s.common.errors import InvalidArgument, NoSpace
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.store.allocator import SegmentAllocator, align_up
-from mooncake_k8s.store.metadata import BYTES_PER_OBJECT, MasterState
-from mooncake_k8s.store.records import padded
+from mooncake_k8s.store.master.allocator import SegmentAllocator, align_up
+from mooncake_k8s.store.master.records import padded
+from mooncake_k8s.store.master.state import BYTES_PER_OBJECT, MasterState
 
 KiB, GiB = 1 << 10, 1 << 30
 N = 10_000

@@ -8,7 +8,7 @@ import pytest
 
 from mooncake_k8s.common.errors import InvalidArgument, NoSpace, ObjectTooLarge
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.store.metadata import MasterState, PutNotFound
+from mooncake_k8s.store.master.state import MasterState, PutNotFound
 
 KiB = 1 << 10
 EV = pb.BlockEvent

@@ -10,8 +10,8 @@ import pytest
 
 from mooncake_k8s.common.errors import InvalidArgument
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.store.metadata import MasterState, PutNotFound, PutSuperseded
-from mooncake_k8s.store.recovery import NodeRoster, RecoveryGate
+from mooncake_k8s.store.master.recovery import NodeRoster, RecoveryGate
+from mooncake_k8s.store.master.state import MasterState, PutNotFound, PutSuperseded
 
 KiB = 1 << 10
 EV = pb.BlockEvent

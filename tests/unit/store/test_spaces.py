@@ -15,8 +15,8 @@ from test_metadata import (  # type: ignore[import-not-found]  # (tests/unit/sto
 
 from mooncake_k8s.common.errors import InvalidArgument, NoSpace
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.store.allocator import ALIGN
-from mooncake_k8s.store.metadata import MasterState
+from mooncake_k8s.store.master.allocator import ALIGN
+from mooncake_k8s.store.master.state import MasterState
 
 MiB = 1 << 20
 CMD = pb.NodeCommand

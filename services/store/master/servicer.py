@@ -30,8 +30,10 @@ from prometheus_client import Histogram
 from mooncake_k8s.common.auth import METADATA_KEY, token_matches
 from mooncake_k8s.common.errors import InvalidArgument, NoSpace, ObjectTooLarge, StoreError
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.store.ha import JournalEntry
-from mooncake_k8s.store.masterlink import (
+from mooncake_k8s.store.master.ha import JournalEntry
+from mooncake_k8s.store.master.recovery import RecoveryGate
+from mooncake_k8s.store.master.state import MasterState, PutNotFound, PutSuperseded, UnknownNode
+from mooncake_k8s.store.wire import (
     EPOCH_KEY,
     ERROR_KEY,
     FAST_PORT_KEY,
@@ -39,12 +41,10 @@ from mooncake_k8s.store.masterlink import (
     RECOVERING_KEY,
     STANDBY_KEY,
 )
-from mooncake_k8s.store.metadata import MasterState, PutNotFound, PutSuperseded, UnknownNode
-from mooncake_k8s.store.recovery import RecoveryGate
 
 if TYPE_CHECKING:
-    from mooncake_k8s.store.ha import RedisCoordinator
-    from mooncake_k8s.store.master import MasterConfig
+    from mooncake_k8s.store.master.ha import RedisCoordinator
+    from mooncake_k8s.store.master.server import MasterConfig
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ from mooncake_k8s.common.errors import (
     ObjectExists,
     StoreError,
 )
-from mooncake_k8s.store.client import StoreClient
+from mooncake_k8s.store.client.client import StoreClient
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from mooncake_k8s.common.checksum import checksum
 from mooncake_k8s.common.metrics import serve_metrics
 from mooncake_k8s.common.netutil import local_host_id
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.store.masterlink import MasterLink
+from mooncake_k8s.store.client.masterlink import MasterLink
 from mooncake_k8s.transfer import Segment, Tier, TransferServer
 from mooncake_k8s.transfer.rdma import RdmaInfoCollector
 

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 from mooncake_k8s.common.errors import InvalidArgument
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.store.records import (
+from mooncake_k8s.store.master.records import (
     DRAM,
     SSD,
     Copy,

@@ -17,7 +17,7 @@ master and sends each call to the one it believes leads:
   below one already seen comes from a deposed leader and is discarded like an unreachable
   master's.
 
-Used by `client.StoreClient` and `node.StorageNode`; it knows nothing of their calls.
+Used by `client.StoreClient` and `node.server.StorageNode`; it knows nothing of their calls.
 """
 
 from __future__ import annotations
@@ -32,15 +32,16 @@ import grpc
 
 from mooncake_k8s.common.errors import InvalidArgument
 from mooncake_k8s.common.rpc import store_pb2_grpc as pb_grpc
-from mooncake_k8s.store.fastpath import METHOD_IDS, FastPathClient, FastPathError
+from mooncake_k8s.store.client.fastpath import FastPathClient, FastPathError
+from mooncake_k8s.store.wire import (
+    EPOCH_KEY,
+    FAST_PORT_KEY,
+    LEADER_KEY,
+    METHOD_IDS,
+    RECOVERING_KEY,
+    STANDBY_KEY,
+)
 
-EPOCH_KEY = "mooncake-epoch"
-STANDBY_KEY = "mooncake-standby"
-LEADER_KEY = "mooncake-leader"
-RECOVERING_KEY = "mooncake-recovering"
-FAST_PORT_KEY = "mooncake-fast-port"
-ERROR_KEY = "mooncake-error"
-"""Names the `ErrorCode` of a refused call (store.proto)."""
 _RETRY_FIRST_S = 0.02
 _RETRY_MAX_S = 0.25
 _FAST_OFF_S = 30.0

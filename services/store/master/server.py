@@ -35,14 +35,13 @@ from mooncake_k8s.common import defaults
 from mooncake_k8s.common.metrics import LATENCY_BUCKETS, serve_metrics
 from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.common.rpcserver import MAX_MESSAGE
-from mooncake_k8s.store.fastpath import FastPathServer
-from mooncake_k8s.store.ha import RedisCoordinator
-from mooncake_k8s.store.masterlink import RECOVERING_KEY
-from mooncake_k8s.store.metadata import MasterState
-from mooncake_k8s.store.recovery import NodeRoster, RecoveryGate
-from mooncake_k8s.store.servicer import SERVICE, Handlers, MasterServicer
+from mooncake_k8s.store.master.fastpath import FastPathServer
+from mooncake_k8s.store.master.ha import RedisCoordinator
+from mooncake_k8s.store.master.recovery import NodeRoster, RecoveryGate
+from mooncake_k8s.store.master.servicer import Handlers, MasterServicer
+from mooncake_k8s.store.master.state import MasterState
 
-__all__ = ["RECOVERING_KEY", "SERVICE", "MasterConfig", "MasterServer", "run_master"]
+__all__ = ["MasterConfig", "MasterServer", "run_master"]
 
 log = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ from collections.abc import Callable, Sequence
 
 from mooncake_k8s.common.errors import InvalidArgument, NoSpace
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.store.allocator import ALIGN, align_up
-from mooncake_k8s.store.records import Node, Obj, Rep, Segment, check_key, rep_pb
+from mooncake_k8s.store.master.allocator import ALIGN, align_up
+from mooncake_k8s.store.master.records import Node, Obj, Rep, Segment, check_key, rep_pb
 
 log = logging.getLogger(__name__)
 

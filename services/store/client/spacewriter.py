@@ -34,7 +34,7 @@ from mooncake_k8s.common.errors import (
     TransferError,
 )
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.store.answers import code_error
+from mooncake_k8s.store.wire import code_error
 from mooncake_k8s.transfer import Peer, WriteOp
 
 RETRY = object()

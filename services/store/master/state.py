@@ -40,21 +40,21 @@ from mooncake_k8s.common.errors import (
     StoreError,
 )
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.store.events import EventHub, Subscription
-from mooncake_k8s.store.membership import NodeMembership
-from mooncake_k8s.store.puts import (
+from mooncake_k8s.store.master.events import EventHub, Subscription
+from mooncake_k8s.store.master.membership import NodeMembership
+from mooncake_k8s.store.master.puts import (
     MAX_REPLICAS as MAX_REPLICAS,
 )
-from mooncake_k8s.store.puts import (
+from mooncake_k8s.store.master.puts import (
     ClassicPuts,
 )
-from mooncake_k8s.store.puts import (
+from mooncake_k8s.store.master.puts import (
     PutNotFound as PutNotFound,  # re-exported: callers catch them as the master's errors
 )
-from mooncake_k8s.store.puts import (
+from mooncake_k8s.store.master.puts import (
     PutSuperseded as PutSuperseded,
 )
-from mooncake_k8s.store.records import (
+from mooncake_k8s.store.master.records import (
     HIDDEN,
     LEASE,
     MISS,
@@ -70,8 +70,8 @@ from mooncake_k8s.store.records import (
     Segment,
     encode_entry,
 )
-from mooncake_k8s.store.spaces import SPACE_TTL_S, SpaceLease, SpaceLeases
-from mooncake_k8s.store.tiering import TierPolicy
+from mooncake_k8s.store.master.spaces import SPACE_TTL_S, SpaceLease, SpaceLeases
+from mooncake_k8s.store.master.tiering import TierPolicy
 
 log = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ from mooncake_k8s.common.errors import (
     StoreError,
 )
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.store.answers import code_of
-from mooncake_k8s.store.records import Obj, Pending, Rep, Segment, check_key, rep_pb
+from mooncake_k8s.store.master.records import Obj, Pending, Rep, Segment, check_key, rep_pb
+from mooncake_k8s.store.wire import code_of
 
 log = logging.getLogger(__name__)
 

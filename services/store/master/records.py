@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from mooncake_k8s.common.errors import InvalidArgument
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.store.allocator import SegmentAllocator
+from mooncake_k8s.store.master.allocator import SegmentAllocator
 
 DRAM: int = pb.DRAM
 SSD: int = pb.SSD

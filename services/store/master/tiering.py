@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 from mooncake_k8s.common.errors import NoSpace, ObjectTooLarge
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.store.records import (
+from mooncake_k8s.store.master.records import (
     COPYING,
     DRAM,
     LEASE,

@@ -29,6 +29,7 @@ is still verified on every read.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -49,24 +50,11 @@ from mooncake_k8s.common.errors import (
 )
 from mooncake_k8s.common.netutil import local_host_id
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.store.answers import (
-    ObjectInfo,
-    default_replicas,
-    end_errors,
-    located,
-    location,
-    retryable,
-    rpc_error,
-    start_error,
-)
-from mooncake_k8s.store.failover import PeerHealth
-from mooncake_k8s.store.masterlink import (
-    LEADER_KEY,
-    STANDBY_KEY,
-    MasterLink,
-    trailers_of,
-)
-from mooncake_k8s.store.spacewriter import LEASE_BYTES, RETRY, SpaceWriter
+from mooncake_k8s.store.client.errors import end_errors, retryable, rpc_error, start_error
+from mooncake_k8s.store.client.failover import PeerHealth
+from mooncake_k8s.store.client.masterlink import MasterLink, trailers_of
+from mooncake_k8s.store.client.spacewriter import LEASE_BYTES, RETRY, SpaceWriter
+from mooncake_k8s.store.wire import LEADER_KEY, STANDBY_KEY, ObjectInfo, located, location
 from mooncake_k8s.transfer import Peer, ReadOp, Tier, TransferEngine, WriteOp
 from mooncake_k8s.transfer.engine import TRANSPORTS
 
@@ -76,6 +64,14 @@ _PLACEMENTS = {
     "most_free": pb.MOST_FREE,
 }
 _MAX_MSG = 64 << 20
+
+
+def default_replicas() -> int:
+    """MOONCAKE_STORE_REPLICAS, or 1; InvalidArgument names the variable when it is bad."""
+    raw = os.environ.get("MOONCAKE_STORE_REPLICAS", "").strip() or "1"
+    if not raw.isdigit() or not 1 <= int(raw) <= 8:
+        raise InvalidArgument(f"MOONCAKE_STORE_REPLICAS must be an integer 1..8, not {raw!r}")
+    return int(raw)
 
 
 class StoreClient:
