@@ -1,8 +1,9 @@
 """The TCP transport's client: a lazily connected, pipelining pool of connections to one peer.
 
-Wire format: see `frames`; the server is `tcp_server.TransferServer`. The client `recv_into`s
-READ payloads straight into the caller's buffer; only bytes that happen to arrive together with
-a header (at most the small receive buffer) are copied once from it.
+Wire format: see `frames`; the server is `tcp_server.TransferServer`; what the client does on a
+connection it holds (a pipelined window, the single-op path) is in `tcp_pipe`. The client
+`recv_into`s READ payloads straight into the caller's buffer; only bytes that happen to arrive
+together with a header (at most the small receive buffer) are copied once from it.
 """
 
 from __future__ import annotations
@@ -11,8 +12,9 @@ import contextlib
 import socket
 import threading
 from collections.abc import Sequence
+from typing import NoReturn
 
-from mooncake_k8s.common.checksum import CHUNK, StreamingChecksum, checksum
+from mooncake_k8s.common.checksum import CHUNK, StreamingChecksum
 from mooncake_k8s.common.errors import (
     AuthError,
     InvalidArgument,
@@ -44,7 +46,16 @@ from .frames import (
     encode_request,
 )
 from .ops import ReadOp, TransferRejected, WriteOp, as_view, check_range
-from .tcp_io import RECV_CHUNK, SMALL, SOCK_BUF, Closed, Reader, sendv, tune
+from .tcp_io import SMALL, SOCK_BUF, Closed, Reader, tune
+from .tcp_pipe import (
+    Conn,
+    Sub,
+    finish_read,
+    receive_hashed,
+    send_window,
+    send_write,
+    start_read,
+)
 from .tcp_server import TransferServer
 
 __all__ = ["TcpTransport", "TransferServer"]
@@ -58,24 +69,6 @@ SPREAD_MIN_OPS = 64
 """A batch with at least this many ops, averaging under SPREAD_MAX_AVG bytes, is spread over the
 connection pool (measured: helps many 4 KiB ops; one connection is faster for 64 KiB and up)."""
 SPREAD_MAX_AVG = 32 << 10
-
-
-class _Conn:
-    __slots__ = ("rd", "reused", "rid", "sock")
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.rd = Reader(sock)
-        self.rid = 0
-        self.reused = False
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.close()
-
-
-# One planned piece of an operation: (op index, name, offset, view, split)
-_Sub = tuple[int, bytes, int, memoryview, bool]
 
 
 class TcpTransport:
@@ -107,7 +100,7 @@ class TcpTransport:
         self._hello = encode_hello(token)
         self._timeout = timeout_s
         self._io_timeout = io_timeout_s if io_timeout_s is not None else timeout_s
-        self._slots: list[_Conn | None] = [None] * connections
+        self._slots: list[Conn | None] = [None] * connections
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._waiters = 0
@@ -117,7 +110,7 @@ class TcpTransport:
 
     # -- pool ----------------------------------------------------------------------------------
 
-    def _acquire(self, want: int) -> list[_Conn | None]:
+    def _acquire(self, want: int) -> list[Conn | None]:
         with self._lock:
             slots = self._slots
             if slots and not self._closed:
@@ -140,7 +133,7 @@ class TcpTransport:
                 got.append(self._slots.pop())
             return got
 
-    def _release(self, conns: list[_Conn | None]) -> None:
+    def _release(self, conns: list[Conn | None]) -> None:
         with self._lock:
             closed = self._closed
             if not closed:
@@ -157,7 +150,7 @@ class TcpTransport:
                 if c is not None:
                     c.close()
 
-    def _connect(self) -> _Conn:
+    def _connect(self) -> Conn:
         try:
             infos = socket.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM)
         except OSError as e:
@@ -180,7 +173,7 @@ class TcpTransport:
             if isinstance(last, TimeoutError):
                 raise TransferTimeout(f"connect to {self.address} timed out") from last
             raise TransferError(f"cannot connect to {self.address}: {last}") from last
-        conn = _Conn(sock)
+        conn = Conn(sock)
         try:
             sock.sendall(self._hello)
             p = conn.rd.fill(HELLO_REPLY.size, readahead=False)
@@ -296,8 +289,8 @@ class TcpTransport:
 
     # -- engine --------------------------------------------------------------------------------
 
-    def _plan(self, items: list[tuple[bytes, int, memoryview]]) -> tuple[list[_Sub], int]:
-        subs: list[_Sub] = []
+    def _plan(self, items: list[tuple[bytes, int, memoryview]]) -> tuple[list[Sub], int]:
+        subs: list[Sub] = []
         total = 0
         for i, (name, off, v) in enumerate(items):
             n = len(v)
@@ -317,9 +310,9 @@ class TcpTransport:
 
     def _go(
         self,
-        conns: list[_Conn | None],
+        conns: list[Conn | None],
         op: int,
-        work: tuple[bytes, int, memoryview] | list[_Sub],
+        work: tuple[bytes, int, memoryview] | list[Sub],
         nops: int,
         with_checksum: bool,
     ) -> list[int] | None:
@@ -341,7 +334,7 @@ class TcpTransport:
         items: tuple[bytes, int, memoryview] | list[tuple[bytes, int, memoryview]],
         with_checksum: bool,
     ) -> list[int] | None:
-        work: tuple[bytes, int, memoryview] | list[_Sub]
+        work: tuple[bytes, int, memoryview] | list[Sub]
         if isinstance(items, tuple):
             work, want, nops = items, 1, 1
         elif not items:
@@ -374,7 +367,7 @@ class TcpTransport:
             self._release(conns)
 
     @staticmethod
-    def _drop(conns: list[_Conn | None]) -> None:
+    def _drop(conns: list[Conn | None]) -> None:
         for i, c in enumerate(conns):
             if c is not None:
                 c.close()
@@ -382,102 +375,27 @@ class TcpTransport:
 
     def _exchange(
         self,
-        conns: list[_Conn | None],
+        conns: list[Conn | None],
         op: int,
-        subs: list[_Sub],
+        subs: list[Sub],
         nops: int,
         with_checksum: bool,
     ) -> list[int] | None:
+        """A batch pipelined over the connections, one window at a time: the window's requests
+        go out round-robin, then its responses are read in the same order. A rejection is
+        raised once its window is drained, so every connection stays in step for reuse."""
         for i, c in enumerate(conns):
             if c is None:
                 conns[i] = self._connect()
-        live: list[_Conn] = [c for c in conns if c is not None]
-        nc = len(live)
+        live: list[Conn] = [c for c in conns if c is not None]
         sums: list[int] | None = [0] * nops if with_checksum else None
         hashers: dict[int, StreamingChecksum] = {}
-        rejected: TransferRejected | None = None
-        window = WINDOW * nc
-        pack = REQUEST.pack
-        is_write = op == OP_WRITE
+        window = WINDOW * len(live)
         try:
             for w0 in range(0, len(subs), window):
                 win = subs[w0 : w0 + window]
-                rids: list[int] = []
-                iovs: list[list[bytes | memoryview]] = [[] for _ in range(nc)]
-                # -- send ------------------------------------------------------------------
-                for j, (idx, name, off, v, split) in enumerate(win):
-                    ci = j % nc
-                    c = live[ci]
-                    rid = c.rid = (c.rid + 1) & 0xFFFFFFFF
-                    rids.append(rid)
-                    n = len(v)
-                    hdr = pack(REQ_MAGIC, op, len(name), rid, off, n) + name
-                    if not is_write:
-                        iovs[ci].append(hdr)
-                        continue
-                    if sums is None:
-                        iovs[ci] += (hdr, v)
-                        continue
-                    if n <= CHUNK:
-                        if split:
-                            hashers.setdefault(idx, StreamingChecksum()).update(v)
-                        else:
-                            sums[idx] = checksum(v)
-                        iovs[ci] += (hdr, v)
-                        continue
-                    # Large WRITE with checksum: hash each chunk right after sending it.
-                    iov = iovs[ci]
-                    iov.append(hdr)
-                    sendv(c.sock, iov)
-                    iov.clear()
-                    h = hashers.setdefault(idx, StreamingChecksum())
-                    send = c.sock.sendall
-                    for s in range(0, n, CHUNK):
-                        chunk = v[s : s + CHUNK]
-                        send(chunk)
-                        h.update(chunk)
-                for ci in range(nc):
-                    if iovs[ci]:
-                        sendv(live[ci].sock, iovs[ci])
-                # -- receive ---------------------------------------------------------------
-                for j, (idx, _name, _off, v, split) in enumerate(win):
-                    c = live[j % nc]
-                    rd = c.rd
-                    n = len(v)
-                    small = n <= SMALL
-                    p = rd.fill(RESPONSE.size, small or is_write)
-                    magic, status, rid, length = RESPONSE.unpack_from(rd.buf, p)
-                    if magic != RESP_MAGIC or rid != rids[j]:
-                        if magic == RESP_MAGIC:
-                            raise ProtocolError(
-                                f"response id {rid} from {self.address}, expected {rids[j]}"
-                            )
-                        decode_response_header(rd.buf, p)
-                    if status != ST_OK:
-                        status, rid, length = decode_response_header(rd.buf, p)
-                        rd.start = p + RESPONSE.size
-                        msg = rd.read_bytes(length).decode("utf-8", "replace")
-                        if rejected is None:
-                            rejected = TransferRejected(f"{self.address}: {msg}", status)
-                        continue
-                    if length != n:
-                        raise ProtocolError(
-                            f"response length {length} from {self.address}, expected {n}"
-                        )
-                    rd.start = p + RESPONSE.size
-                    if is_write:
-                        continue
-                    if sums is None:
-                        rd.read_into(v)
-                    elif n <= CHUNK and not split:
-                        rd.read_into(v)
-                        sums[idx] = checksum(v)
-                    else:
-                        h = hashers.setdefault(idx, StreamingChecksum())
-                        for s in range(0, n, CHUNK):
-                            chunk = v[s : s + CHUNK]
-                            rd.read_into(chunk)
-                            h.update(chunk)
+                rids = send_window(live, op, win, sums, hashers)
+                rejected = self._receive_window(live, op == OP_WRITE, win, rids, sums, hashers)
                 if rejected is not None:
                     raise rejected
         except (TransferError, AuthError):
@@ -489,73 +407,85 @@ class TcpTransport:
                 sums[idx] = h.digest()
         return sums
 
+    def _receive_window(
+        self,
+        live: list[Conn],
+        is_write: bool,
+        win: list[Sub],
+        rids: list[int],
+        sums: list[int] | None,
+        hashers: dict[int, StreamingChecksum],
+    ) -> TransferRejected | None:
+        """Read one window's responses in order: READ payloads land straight in their buffers
+        (hashed as they land when asked). Returns the window's first rejection, if any, with
+        every rejection's message consumed."""
+        nc = len(live)
+        rejected: TransferRejected | None = None
+        for j, (idx, _name, _off, v, split) in enumerate(win):
+            rd = live[j % nc].rd
+            n = len(v)
+            p = rd.fill(RESPONSE.size, n <= SMALL or is_write)
+            magic, status, rid, length = RESPONSE.unpack_from(rd.buf, p)
+            if magic != RESP_MAGIC or rid != rids[j]:
+                if magic == RESP_MAGIC:
+                    raise ProtocolError(
+                        f"response id {rid} from {self.address}, expected {rids[j]}"
+                    )
+                decode_response_header(rd.buf, p)
+            if status != ST_OK:
+                status, rid, length = decode_response_header(rd.buf, p)
+                rd.start = p + RESPONSE.size
+                msg = rd.read_bytes(length).decode("utf-8", "replace")
+                if rejected is None:
+                    rejected = TransferRejected(f"{self.address}: {msg}", status)
+                continue
+            if length != n:
+                raise ProtocolError(
+                    f"response length {length} from {self.address}, expected {n}"
+                )
+            rd.start = p + RESPONSE.size
+            if is_write:
+                continue
+            if sums is None:
+                rd.read_into(v)
+            else:
+                receive_hashed(rd, v, idx, split, sums, hashers)
+        return rejected
+
     def _one(
-        self, c: _Conn, op: int, name: bytes, off: int, v: memoryview, with_checksum: bool
+        self, c: Conn, op: int, name: bytes, off: int, v: memoryview, with_checksum: bool
     ) -> list[int] | None:
         """One operation alone on a connection: the latency path, with the fewest syscalls."""
         n = len(v)
         rid = c.rid = (c.rid + 1) & 0xFFFFFFFF
         hdr = REQUEST.pack(REQ_MAGIC, op, len(name), rid, off, n) + name
-        sock = c.sock
         rd = c.rd
-        hsize = RESPONSE.size
         total: int | None = None
         already = 0
         if op == OP_READ:
-            sock.sendall(hdr)
-            if n > SMALL and rd.start == rd.end:
-                # Header into the receive buffer and payload straight into dst: one syscall.
-                first = v[: CHUNK if with_checksum else RECV_CHUNK]
-                got = sock.recvmsg_into([rd.view[:hsize], first])[0]
-                if not got:
-                    raise Closed("connection closed by peer")
-                rd.start = 0
-                rd.end = got if got < hsize else hsize
-                already = got - hsize if got > hsize else 0
-                p = rd.fill(hsize, False)
-            else:
-                p = rd.fill(hsize, n <= SMALL)
+            p, already = start_read(c, hdr, v, with_checksum)
         else:
-            if with_checksum and n > CHUNK:
-                sock.sendall(hdr)
-                h = StreamingChecksum()
-                for s in range(0, n, CHUNK):
-                    chunk = v[s : s + CHUNK]
-                    sock.sendall(chunk)
-                    h.update(chunk)
-                total = h.digest()
-            else:
-                if with_checksum:
-                    total = checksum(v)
-                sendv(sock, [hdr, v])
-            p = rd.fill(hsize)
+            total = send_write(c.sock, hdr, v, with_checksum)
+            p = rd.fill(RESPONSE.size)
         magic, status, rrid, length = RESPONSE.unpack_from(rd.buf, p)
         if magic != RESP_MAGIC or status != ST_OK or rrid != rid or length != n:
-            status, rrid, length = decode_response_header(rd.buf, p)
-            if rrid != rid:
-                raise ProtocolError(f"response id {rrid} from {self.address}, expected {rid}")
-            if status == ST_OK:
-                raise ProtocolError(f"response length {length} from {self.address}, expected {n}")
-            rd.start = p + hsize
-            # Nothing else is in flight here, so a message that went into dst ends there.
-            head = bytes(v[: min(already, length)])
-            msg = (head + rd.read_bytes(length - len(head))).decode("utf-8", "replace")
-            raise TransferRejected(f"{self.address}: {msg}", status)
-        rd.start = p + hsize
+            self._refuse_one(rd, p, rid, v, already)
+        rd.start = p + RESPONSE.size
         if op == OP_WRITE:
             return None if total is None else [total]
-        if not with_checksum:
-            if already < n:
-                rd.read_into(v[already:])
-            return None
-        if n <= CHUNK:
-            if already < n:
-                rd.read_into(v[already:])
-            return [checksum(v)]
-        h = StreamingChecksum()
-        for s in range(0, n, CHUNK):
-            e = s + CHUNK if s + CHUNK < n else n
-            if e > already:
-                rd.read_into(v[max(s, already) : e])
-            h.update(v[s:e])
-        return [h.digest()]
+        return finish_read(rd, v, already, with_checksum)
+
+    def _refuse_one(self, rd: Reader, p: int, rid: int, v: memoryview, already: int) -> NoReturn:
+        """A single op's response that is not a plain OK: a `ProtocolError` for a wrong id or
+        length, else the peer's rejection with its message."""
+        status, rrid, length = decode_response_header(rd.buf, p)
+        if rrid != rid:
+            raise ProtocolError(f"response id {rrid} from {self.address}, expected {rid}")
+        if status == ST_OK:
+            raise ProtocolError(
+                f"response length {length} from {self.address}, expected {len(v)}")
+        rd.start = p + RESPONSE.size
+        # Nothing else is in flight here, so a message that went into dst ends there.
+        head = bytes(v[: min(already, length)])
+        msg = (head + rd.read_bytes(length - len(head))).decode("utf-8", "replace")
+        raise TransferRejected(f"{self.address}: {msg}", status)
