@@ -151,13 +151,20 @@ def chart_crd(crd: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# The chart installs kopf's peering CRDs only when asked: another kopf operator's Helm release
+# may already own them, and Helm refuses to adopt an object another release owns.
+PEERING_VALUE = ".Values.kopfPeering.installCRDs"
+
+
 def rendered_files(repo: Path) -> dict[Path, str]:
     """Every generated file and its exact content."""
     files: dict[Path, str] = {}
     for fname, crd in all_crds().items():
         files[repo / "crds" / fname] = _HEADER + dump(crd)
-        files[repo / "charts" / "mooncake-crds" / "templates" / fname] = (
-            _HEADER + dump(chart_crd(crd)))
+        text = _HEADER + dump(chart_crd(crd))
+        if crd["spec"]["group"] == "kopf.dev":
+            text = f"{{{{- if {PEERING_VALUE} }}}}\n{text}{{{{- end }}}}\n"
+        files[repo / "charts" / "mooncake-crds" / "templates" / fname] = text
     return files
 
 

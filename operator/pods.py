@@ -21,11 +21,11 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from mooncake_k8s.common import defaults
 from mooncake_k8s.operator import naming, pods_env, pods_sizing, pods_volumes
 from mooncake_k8s.operator.pods_context import Ctx, security
 
 Obj = dict[str, Any]
-UID = 10001
 
 
 def _http_probe(path: str, port: str, period: int, failures: int, timeout: int = 5) -> Obj:
@@ -106,6 +106,11 @@ def pod_template(ctx: Ctx, role: str) -> Obj:
     res = pods_sizing.container_resources(spec, role)
     if res:
         container["resources"] = res
+    if role == "conductor":
+        # Endpoints drop a terminating pod a moment after it is marked so; SIGTERM (which
+        # closes the listener, see conductor.service) waits this long, so no client is refused.
+        container["lifecycle"] = {"preStop": {"exec": {"command": [
+            "sleep", str(defaults.CONDUCTOR_PRESTOP_S)]}}}
     labels = naming.labels(ctx.cluster, role)
     if role in ("prefill", "decode"):
         labels[naming.LABEL_SERVING_REVISION] = ctx.serving_revision
@@ -113,9 +118,9 @@ def pod_template(ctx: Ctx, role: str) -> Obj:
         "serviceAccountName": spec.get("serviceAccountName") or None,
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 60 if role in ("prefill", "decode") else 30,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID,
-                            "fsGroup": UID, "seccompProfile": {"type": "RuntimeDefault"}},
+        "terminationGracePeriodSeconds": rspec.get("terminationGracePeriodSeconds") or (
+            60 if role in ("prefill", "decode") else 30),
+        "securityContext": pod_security(spec),
         "initContainers": vols.init_containers or None,
         "containers": [container],
         "volumes": vols.volumes,
@@ -123,17 +128,35 @@ def pod_template(ctx: Ctx, role: str) -> Obj:
         "tolerations": rspec.get("tolerations") or None,
         "affinity": _rdma_affinity(ctx, role, rspec.get("affinity") or {}) or None,
         "priorityClassName": rspec.get("priorityClassName") or None,
-        "imagePullSecrets": [{"name": s} for s in spec.get("imagePullSecrets") or []] or None,
-    }
-    if role in ("prefill", "decode", "store"):
-        pod["topologySpreadConstraints"] = [{
+        "imagePullSecrets": pull_secrets(spec),
+        # Every role spreads over nodes where it can (two masters or two Conductors on one node
+        # would fall together) but still schedules where it cannot. Replace the list through
+        # roles.<role>.podTemplate to change it.
+        "topologySpreadConstraints": [{
             "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
             "whenUnsatisfiable": "ScheduleAnyway",
-            "labelSelector": {"matchLabels": naming.selector(ctx.cluster, role)}}]
+            "labelSelector": {"matchLabels": naming.selector(ctx.cluster, role)}}],
+    }
     template = {"metadata": {"labels": labels},
                 "spec": {k: v for k, v in pod.items() if v is not None}}
     merged: Obj = merge_override(template, rspec.get("podTemplate") or {})
     return merged
+
+
+def pod_security(spec: Obj) -> Obj:
+    """The pod's securityContext: never root and RuntimeDefault seccomp always; a UID, GID or
+    fsGroup only where spec.podSecurityContext pins one (OpenShift assigns its own)."""
+    ids = {k: v for k, v in (spec.get("podSecurityContext") or {}).items()
+           if k in ("runAsUser", "runAsGroup", "fsGroup")}
+    return {"runAsNonRoot": True, **ids, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def pull_secrets(spec: Obj) -> list[Obj] | None:
+    """spec.imagePullSecrets as the pod lists them. Plain names are still read here: objects
+    stored before the schema took `{name: ...}` keep rendering until they are next edited."""
+    out = [{"name": s} if isinstance(s, str) else {"name": s["name"]}
+           for s in spec.get("imagePullSecrets") or []]
+    return out or None
 
 
 _NAMED_LISTS = {"containers", "initContainers", "env", "volumes", "volumeMounts", "ports",

@@ -101,10 +101,56 @@ def cpus(spec: Obj, role: str) -> int | None:
     return None
 
 
+# Main containers' defaults for what roles.<role>.resources leaves out: (requests cpu, memory
+# beyond the role's /dev/shm; limits cpu, memory beyond /dev/shm). A Memory-backed /dev/shm is
+# charged to the container, so memory is sized on top of it.
+_ROLE_DEFAULTS: dict[str, tuple[str, int, str, int]] = {
+    "conductor": ("250m", 512 * MIB, "2", 2 * GIB),
+    "master": ("100m", 256 * MIB, "1", 1 * GIB),
+    "store": ("250m", 256 * MIB, "2", 512 * MIB),
+    "prefill": ("1", 1 * GIB, "4", 2 * GIB),
+    "decode": ("1", 1 * GIB, "4", 2 * GIB),
+}
+
+
+def _quantity(q: Any) -> float:
+    return float(corev1.parse_quantity(q))
+
+
+def fill_defaults(res: Obj, requests: Obj, limits: Obj) -> Obj:
+    """`res` with every key of `requests` and `limits` it lacks: a default request never
+    exceeds the limit set, a default limit never falls below the request set (Kubernetes
+    refuses requests above limits)."""
+    out = copy.deepcopy(res)
+    req, lim = out.setdefault("requests", {}), out.setdefault("limits", {})
+    for name, value in requests.items():
+        if name not in req:
+            req[name] = (lim[name] if name in lim and _quantity(lim[name]) < _quantity(value)
+                         else value)
+    for name, value in limits.items():
+        if name not in lim:
+            lim[name] = (req[name] if name in req and _quantity(req[name]) > _quantity(value)
+                         else value)
+    return out
+
+
+def role_defaults(spec: Obj, role: str) -> tuple[Obj, Obj]:
+    """The requests and limits a role's main container gets where its resources say nothing."""
+    cpu_req, mem_req, cpu_lim, mem_lim = _ROLE_DEFAULTS[role]
+    shm = shm_bytes(spec, role) or 0
+    return ({"cpu": cpu_req, "memory": naming.format_bytes(shm + mem_req)},
+            {"cpu": cpu_lim, "memory": naming.format_bytes(shm + mem_lim)})
+
+
 def container_resources(spec: Obj, role: str) -> Obj:
-    """The role's main container `resources`: the user's, plus what Kubernetes and the engine
-    need (GPUs under limits, one GPU for engine.device cuda, the RDMA devices)."""
-    res = copy.deepcopy(spec["roles"][role].get("resources") or {})
+    """The role's main container `resources`: the user's, the role's defaults for cpu and
+    memory requests and limits left out, plus what Kubernetes and the engine need (GPUs under
+    limits, one GPU for engine.device cuda, the RDMA devices)."""
+    try:
+        res = fill_defaults(spec["roles"][role].get("resources") or {},
+                            *role_defaults(spec, role))
+    except ValueError:  # not a quantity: admission rejects it before rendering
+        res = copy.deepcopy(spec["roles"][role].get("resources") or {})
     # A GPU is an extended resource: Kubernetes requires it in limits (requests may only repeat
     # it). Someone who wrote it under requests alone meant to ask for it.
     for name, count in (res.get("requests") or {}).items():
@@ -113,6 +159,11 @@ def container_resources(spec: Obj, role: str) -> Obj:
     if (role in ("prefill", "decode") and device(spec, role) == "cuda"
             and not gpu_count(spec, role)):
         res.setdefault("limits", {})["nvidia.com/gpu"] = 1  # engine.device cuda: one GPU
+    scratch = model_download_bytes(spec)
+    if role in ("prefill", "decode") and scratch:
+        # The model lands in an emptyDir on the node's disk: ask for room for it.
+        res.setdefault("requests", {}).setdefault("ephemeral-storage",
+                                                 naming.format_bytes(scratch))
     if rdma_on(spec, role):
         rname, count = spec["rdma"]["resourceName"], spec["rdma"]["count"]
         # Extended resources need requests == limits; setting limits implies the request.
@@ -120,6 +171,15 @@ def container_resources(spec: Obj, role: str) -> Obj:
         if "requests" in res:
             res["requests"][rname] = count
     return {k: v for k, v in res.items() if v}
+
+
+def model_download_bytes(spec: Obj) -> int | None:
+    """Bytes of node disk a pod's model download takes: huggingFace.cacheSize when the model
+    goes into a per-pod emptyDir, None when there is no download or it fills a shared claim."""
+    hf = spec["model"].get("huggingFace")
+    if not hf or hf.get("cacheClaimName"):
+        return None
+    return naming.parse_bytes(hf["cacheSize"])
 
 
 def shm_bytes(spec: Obj, role: str) -> int | None:

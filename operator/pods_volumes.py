@@ -28,10 +28,26 @@ from mooncake_k8s.operator.pods_context import (
 
 Obj = dict[str, Any]
 
-_DOWNLOAD = (
-    "import sys; from huggingface_hub import snapshot_download; "
-    "snapshot_download(repo_id=sys.argv[1], revision=sys.argv[2], local_dir=sys.argv[3])"
-)
+# Fills argv[3] with the model once: a marker file says the download finished, and a lock file
+# in the same folder makes pods that share a cache claim wait for the one downloading instead of
+# writing the same files at once (flock works on local disks and NFSv4).
+_DOWNLOAD = """\
+import fcntl, sys
+from pathlib import Path
+from huggingface_hub import snapshot_download
+repo, revision, dest = sys.argv[1:4]
+out = Path(dest)
+out.mkdir(parents=True, exist_ok=True)
+done = out / ".mooncake-complete"
+with open(out / ".mooncake-lock", "a") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not done.exists():
+        snapshot_download(repo_id=repo, revision=revision, local_dir=dest)
+        done.write_text(revision + "\\n")
+"""
+# Helper containers' resources where the spec leaves them out (requests, limits).
+DOWNLOAD_RESOURCES = ({"cpu": "250m", "memory": "256Mi"}, {"cpu": "1", "memory": "1Gi"})
+PROBE_RESOURCES = ({"cpu": "100m", "memory": "64Mi"}, {"cpu": "100m", "memory": "64Mi"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,24 +108,91 @@ def model_source(ctx: Ctx) -> ModelSource:
                                           "pullPolicy": ctx.spec["imagePullPolicy"]}}
         return ModelSource(_join(MODEL_DIR, m["image"]["path"]), [vol], [mount], [])
     if "huggingFace" in m:
-        hf = m["huggingFace"]
-        vol = {"name": "model", "emptyDir": {"sizeLimit": quantity(hf["cacheSize"])}}
-        env = [env_var("HOME", "/tmp"), env_var("HF_HOME", f"{MODEL_DIR}/.hf")]
-        if "tokenSecret" in hf:
-            env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
-                "name": hf["tokenSecret"]["name"], "key": hf["tokenSecret"]["key"]}}})
-        init = {
-            "name": "model-download",
-            "image": ctx.image("prefill"),
-            "imagePullPolicy": ctx.spec["imagePullPolicy"],
-            "command": ["python", "-c", _DOWNLOAD, hf["id"], hf["revision"], f"{MODEL_DIR}/hf"],
-            "env": env,
-            "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR},
-                             {"name": "tmp", "mountPath": "/tmp"}],
-            "securityContext": security(),
-        }
-        return ModelSource(f"{MODEL_DIR}/hf", [vol], [mount], [init])
+        return _hugging_face(ctx, m["huggingFace"], mount)
     return ModelSource("", [], [], [])
+
+
+def _hugging_face(ctx: Ctx, hf: Obj, mount: Obj) -> ModelSource:
+    """A download init container into the pod's emptyDir, or into a shared claim once."""
+    claim = hf.get("cacheClaimName")
+    res: Obj = {}
+    if claim:
+        # One folder per model and revision: clusters (or revisions) sharing the claim never
+        # read each other's half-written files.
+        path = f"{MODEL_DIR}/hf/{hf['id']}/{hf['revision']}"
+        vol: Obj = {"name": "model", "persistentVolumeClaim": {"claimName": claim}}
+    else:
+        path = f"{MODEL_DIR}/hf"
+        vol = {"name": "model", "emptyDir": {"sizeLimit": quantity(hf["cacheSize"])}}
+        res = {"requests": {"ephemeral-storage": quantity(hf["cacheSize"])}}
+    env = [env_var("HOME", "/tmp"), env_var("HF_HOME", "/tmp/hf" if claim else
+                                            f"{MODEL_DIR}/.hf")]
+    if "tokenSecret" in hf:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": hf["tokenSecret"]["name"], "key": hf["tokenSecret"]["key"]}}})
+    init = {
+        "name": "model-download",
+        "image": ctx.image("prefill"),
+        "imagePullPolicy": ctx.spec["imagePullPolicy"],
+        "command": ["python", "-c", _DOWNLOAD, hf["id"], hf["revision"], path],
+        "env": env,
+        "resources": helper_resources(hf.get("resources"), res, *DOWNLOAD_RESOURCES),
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": security(),
+    }
+    return ModelSource(path, [vol], [mount], [init])
+
+
+# The files a tokenizer (and its chat template) may live in, never weights.
+TOKENIZER_PATTERNS = ("*.json", "*.jinja", "*.txt", "*.model", "*.tiktoken")
+TOKENIZER_CACHE = "256Mi"
+_TOKENIZER_DOWNLOAD = (
+    "import sys; from huggingface_hub import snapshot_download; "
+    "snapshot_download(repo_id=sys.argv[1], revision=sys.argv[2], local_dir=sys.argv[3], "
+    "allow_patterns=sys.argv[4:])"
+)
+
+
+def conductor_model_source(ctx: Ctx) -> ModelSource:
+    """What the Conductor loads its tokenizer from: the workers' own model, so the two always
+    tokenise alike. A mounted source (pvc, hostPath, image) is mounted as the workers mount it
+    (read-only; only the tokenizer files are read). A Hugging Face model is not downloaded in
+    full: the Conductor's init container fetches only its tokenizer and config files (a few MB,
+    `TOKENIZER_PATTERNS`) of the same id and revision, into a small emptyDir, even where the
+    workers share a cache claim (the Conductor never waits for, or mounts, their download)."""
+    m = ctx.spec["model"]
+    if "huggingFace" not in m:
+        return model_source(ctx)
+    hf = m["huggingFace"]
+    mount = {"name": "model", "mountPath": MODEL_DIR, "readOnly": True}
+    vol = {"name": "model", "emptyDir": {"sizeLimit": TOKENIZER_CACHE}}
+    env = [env_var("HOME", "/tmp"), env_var("HF_HOME", f"{MODEL_DIR}/.hf")]
+    if "tokenSecret" in hf:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": hf["tokenSecret"]["name"], "key": hf["tokenSecret"]["key"]}}})
+    init = {
+        "name": "tokenizer-download",
+        "image": ctx.image("conductor"),
+        "imagePullPolicy": ctx.spec["imagePullPolicy"],
+        "command": ["python", "-c", _TOKENIZER_DOWNLOAD, hf["id"], hf["revision"],
+                    f"{MODEL_DIR}/hf", *TOKENIZER_PATTERNS],
+        "env": env,
+        "resources": helper_resources(hf.get("resources"), {
+            "requests": {"ephemeral-storage": TOKENIZER_CACHE}}, *DOWNLOAD_RESOURCES),
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR},
+                         {"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": security(),
+    }
+    return ModelSource(f"{MODEL_DIR}/hf", [vol], [mount], [init])
+
+
+def helper_resources(user: Obj | None, base: Obj, requests: Obj, limits: Obj) -> Obj:
+    """A helper container's resources: the user's keys first, then `base` (what the container
+    needs, such as a device), then the defaults."""
+    res = pods_sizing.fill_defaults(user or {}, base.get("requests", {}),
+                                    base.get("limits", {}))
+    return pods_sizing.fill_defaults(res, requests, limits)
 
 
 def _rdma_probe(ctx: Ctx, role: str) -> Obj:
@@ -126,7 +209,8 @@ def _rdma_probe(ctx: Ctx, role: str) -> Obj:
         # the probe's JSON record from there to report RDMAReady without exec'ing into pods.
         "terminationMessagePath": "/dev/termination-log",
         "terminationMessagePolicy": "File",
-        "resources": {"limits": {rname: count, "cpu": "100m", "memory": "64Mi"}},
+        "resources": helper_resources(ctx.spec["rdma"].get("probeResources"), {
+            "requests": {rname: count}, "limits": {rname: count}}, *PROBE_RESOURCES),
         "volumeMounts": [{"name": "run", "mountPath": RUN_DIR}],
         "securityContext": security(ctx.rdma_on(role)),
     }
@@ -138,6 +222,10 @@ def _sidecar(ctx: Ctx, role: str) -> Obj:
     worker starts, and stops after the worker has."""
     spec = ctx.spec
     staging = pods_sizing.sidecar_staging_bytes(spec)
+    device: Obj = {}
+    if ctx.rdma_on(role):  # the sidecar moves the pool's KV bytes: it needs the device too
+        rname, count = spec["rdma"]["resourceName"], spec["rdma"]["count"]
+        device = {"requests": {rname: count}, "limits": {rname: count}}
 
     def socket_probe() -> Obj:  # fresh dicts: shared ones would print as YAML aliases
         return {"exec": {"command": ["test", "-S", SIDECAR_SOCKET]}}
@@ -156,18 +244,16 @@ def _sidecar(ctx: Ctx, role: str) -> Obj:
                          {"name": "dshm", "mountPath": "/dev/shm"},
                          {"name": "tmp", "mountPath": "/tmp"}],
         # The staging segment lives in /dev/shm and is charged to this container's memory.
-        "resources": {"requests": {"cpu": "100m",
-                                   "memory": naming.format_bytes(staging + 128 * pods_sizing.MIB)}},
+        "resources": helper_resources(
+            (spec["engine"].get("sidecar") or {}).get("resources"), device, {
+                "cpu": "100m", "memory": naming.format_bytes(staging + 128 * pods_sizing.MIB)},
+            {"cpu": "1", "memory": naming.format_bytes(staging + 256 * pods_sizing.MIB)}),
         "startupProbe": {**socket_probe(), "periodSeconds": 1, "timeoutSeconds": 5,
                          "failureThreshold": 120},
         "readinessProbe": {**socket_probe(), "periodSeconds": 10, "timeoutSeconds": 5,
                            "failureThreshold": 3},
         "securityContext": security(ctx.rdma_on(role)),
     }
-    if ctx.rdma_on(role):  # the sidecar moves the pool's KV bytes: it needs the device too
-        rname, count = spec["rdma"]["resourceName"], spec["rdma"]["count"]
-        c["resources"]["limits"] = {rname: count}
-        c["resources"]["requests"][rname] = count
     return c
 
 
@@ -191,8 +277,8 @@ def pod_volumes(ctx: Ctx, role: str) -> PodVolumes:
             mounts.append({"name": "run", "mountPath": RUN_DIR, "readOnly": True})
     if ctx.rdma_on(role):  # first: it takes a second, the model download may take an hour
         init.append(_rdma_probe(ctx, role))
-    if role in ("prefill", "decode"):
-        model = model_source(ctx)
+    if role in ("prefill", "decode", "conductor"):
+        model = model_source(ctx) if role != "conductor" else conductor_model_source(ctx)
         volumes += model.volumes
         mounts += model.mounts
         init += model.init_containers

@@ -150,13 +150,13 @@ async def read_scalers(client: KubeClient, ns: str, cluster: str) -> dict[str, O
 
 
 async def ensure_token(client: KubeClient, cluster: Obj) -> bool:
-    """Create `<name>-cluster-token` once (random) unless the spec names a Secret."""
+    """Create `<name>-cluster-token` once (random) unless the spec names a Secret. Only
+    `create` is called, never `get`: an existing token answers 409, so the operator's RBAC
+    needs no read access to any Secret. Returns whether this call created it."""
     if cluster["spec"].get("clusterTokenSecret"):
         return False
     meta = cluster["metadata"]
     ns, name = meta.get("namespace") or "default", f"{meta['name']}-cluster-token"
-    if await client.get("v1", "Secret", ns, name) is not None:
-        return False
     secret: Obj = {
         "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
         "metadata": {"name": name, "namespace": ns,
@@ -169,8 +169,9 @@ async def ensure_token(client: KubeClient, cluster: Obj) -> bool:
     try:
         await client.create(secret)
     except ApiError as e:
-        if e.status != 409:  # another replica won the race: fine
+        if e.status != 409:  # it exists (an earlier pass or another replica made it): fine
             raise
+        return False
     return True
 
 

@@ -23,6 +23,7 @@ from mooncake_k8s.operator.schema_dsl import (
     array,
     boolean,
     free_object,
+    helper_resources,
     integer,
     number,
     obj,
@@ -72,8 +73,22 @@ def _model() -> Schema:
                     "tokenSecret": secret_key_ref(
                         "Secret holding a Hub token for gated models (exposed as HF_TOKEN to the "
                         "download container only).", "HF_TOKEN"),
-                    "cacheSize": size("Size limit of the emptyDir the model is downloaded into.",
-                                      default="64Gi"),
+                    "cacheSize": size(
+                        "Size limit of the emptyDir the model is downloaded into; prefill and "
+                        "decode containers (and the download) request as much "
+                        "ephemeral-storage, so pods land on nodes with room for the model.",
+                        default="64Gi"),
+                    "cacheClaimName": string(
+                        "Download into this PersistentVolumeClaim instead of a per-pod emptyDir "
+                        "(a ReadWriteMany claim when pods span nodes): the first pod's init "
+                        "container fills `hf/<id>/<revision>` in it under a lock file and "
+                        "leaves a marker, later pods find the marker and skip the download, "
+                        "and the engines mount the claim read-only.",
+                        pattern=DNS_LABEL, max_length=253),
+                    "resources": helper_resources(
+                        "model-download", "requests cpu 250m, memory 256Mi and "
+                        "ephemeral-storage cacheSize without cacheClaimName; limits cpu 1, "
+                        "memory 1Gi"),
                 },
                 required=("id",),
             ),
@@ -205,7 +220,10 @@ def _engine() -> Schema:
                 "(spec.initContainers, name `sidecar`).",
                 {"stagingSize": size("Shared-memory staging segment of the sidecar (in the "
                                      "pod's /dev/shm, which grows by as much).",
-                                     default=SIDECAR_STAGING_DEFAULT)}),
+                                     default=SIDECAR_STAGING_DEFAULT),
+                 "resources": helper_resources(
+                     "sidecar", "requests cpu 100m and memory stagingSize + 128Mi; limits "
+                     "cpu 1 and memory stagingSize + 256Mi")}),
         },
         default={},
         rules=(
@@ -288,6 +306,13 @@ def _roles() -> Schema:
                 "Secret whose key `api-keys` lists accepted API keys, one per line. Without it "
                 "the API accepts any client that can reach it.", pattern=DNS_LABEL,
                 max_length=253),
+            "terminationGracePeriodSeconds": integer(
+                "How long a stopping Conductor pod may take: a preStop pause of "
+                f"{d.CONDUCTOR_PRESTOP_S} s (endpoints drop the pod), then SIGTERM turns "
+                "readiness off and closes the listener while requests and streams in flight "
+                f"finish for up to this less {d.CONDUCTOR_PRESTOP_S + 5} s; what is still "
+                "running then is cut. Longest generations you want to survive a rollout "
+                "decide it.", default=d.CONDUCTOR_GRACE_S, minimum=15, maximum=3600),
         }),
         "prefill": _role("prefill", 1, {
             "shmSize": size("Memory-backed /dev/shm of each prefill pod (transfer buffers); "
@@ -311,13 +336,19 @@ def _roles() -> Schema:
 
 def _rdma() -> Schema:
     return obj(
-        "RDMA for KV transfers between prefill, decode and store pods.",
+        "EXPERIMENTAL: RDMA devices for prefill, decode and store pods. In this release KV "
+        "still moves over TCP whatever this says (the RDMA transport is untested on hardware "
+        "and admission refuses transferProtocol rdma); enabling it only requests the devices, "
+        "adds IPC_LOCK (which needs a privileged Pod Security level) and runs the rdma-probe, "
+        "whose findings the RDMAReady condition reports. status.kvTransport and the "
+        "KVTransport condition say which transport KV really uses.",
         {
-            "enabled": boolean("Request RDMA devices for prefill, decode and store pods.",
+            "enabled": boolean("EXPERIMENTAL: request RDMA devices (and IPC_LOCK) for prefill, "
+                               "decode and store pods; KV still moves over TCP.",
                                default=False),
             "required": boolean(
                 "Fail a pod whose init probe finds no usable RDMA device. When false such pods "
-                "run over TCP and status.conditions RDMAReady says so.", default=False),
+                "start anyway and RDMAReady says which pods found none.", default=False),
             "resourceName": string("Extended resource the RDMA device plugin advertises.",
                                    default="rdma/rdma_shared_device_a",
                                    pattern=corev1.QUALIFIED_NAME, max_length=317),
@@ -328,6 +359,9 @@ def _rdma() -> Schema:
                 "rdma.required, and prefer it otherwise.",
                 default="feature.node.kubernetes.io/rdma.available",
                 pattern=corev1.QUALIFIED_NAME, max_length=317),
+            "probeResources": helper_resources(
+                "rdma-probe", "requests and limits cpu 100m and memory 64Mi, plus the RDMA "
+                "device"),
         },
         default={},
         rules=(rule("!self.required || self.enabled", "rdma.required needs rdma.enabled",
@@ -465,8 +499,26 @@ def cluster_spec_schema() -> Schema:
                             "overridden.", default=DEFAULT_IMAGE, min_length=1),
             "imagePullPolicy": string("Pull policy of every container.", default="IfNotPresent",
                                       enum=("Always", "IfNotPresent", "Never")),
-            "imagePullSecrets": array("Secrets for pulling images.",
-                                      string("Secret name.", pattern=DNS_LABEL), max_items=16),
+            "imagePullSecrets": array(
+                "Secrets for pulling images, as in a pod: `[{name: regcred}]`. (Plain strings, "
+                "accepted before, are refused with this field named in the error.)",
+                obj("A reference to a Secret of type kubernetes.io/dockerconfigjson.", {
+                    "name": string("Secret name.", pattern=DNS_SUBDOMAIN, max_length=253)},
+                    required=("name",)),
+                max_items=16),
+            "podSecurityContext": obj(
+                "Pod identity of every role. Unset (the default), pods set only runAsNonRoot "
+                "and the image's USER (10001) applies, which leaves platforms that assign "
+                "UIDs (OpenShift's restricted SCC) free to. Set the fields to pin them; set "
+                "fsGroup when store.ssd's storage class mounts volumes the pod's user cannot "
+                "write (most block-storage classes do).", {
+                    "runAsUser": integer("UID every container runs as.", minimum=1,
+                                         maximum=2147483647),
+                    "runAsGroup": integer("Primary GID of every container.", minimum=0,
+                                          maximum=2147483647),
+                    "fsGroup": integer("GID that owns mounted volumes.", minimum=0,
+                                       maximum=2147483647),
+                }),
             "serviceAccountName": string("ServiceAccount the pods run as (the namespace "
                                          "default when empty; pods need no API access).",
                                          pattern=OPTIONAL_DNS_SUBDOMAIN, max_length=253),
@@ -478,9 +530,10 @@ def cluster_spec_schema() -> Schema:
             "roles": _roles(),
             "rdma": _rdma(),
             "transferProtocol": string(
-                "How KV bytes move between pods: `auto` uses shared memory within a pod's "
-                "host and TCP across hosts, never RDMA; `tcp` forces TCP. `rdma` is refused "
-                "by admission in this release: the RDMA transport is untested on hardware.",
+                "How KV bytes move between pods: `auto` uses shared memory within a pod and "
+                "TCP between pods (each pod has its own /dev/shm), never RDMA; `tcp` forces "
+                "TCP. `rdma` (EXPERIMENTAL) is refused by admission in this release: the RDMA "
+                "transport is untested on hardware. status.kvTransport reports the result.",
                 default="auto",
                 enum=("auto", "rdma", "tcp")),
             "store": _store(),

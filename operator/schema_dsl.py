@@ -148,3 +148,14 @@ def secret_key_ref(desc: str, default_key: str) -> Schema:
                        max_length=253),
         "key": string("Key inside the Secret.", default=default_key, min_length=1),
     }, required=("name",))
+
+
+def helper_resources(container: str, defaults: str) -> Schema:
+    """Requests and limits of one of the operator's helper containers (no default, so adding
+    the field changed no existing spec; the renderer fills in what is left out)."""
+    return obj(f"Compute resources of the {container} container; keys left out keep the "
+               f"operator's defaults ({defaults}). Every container gets requests and limits, "
+               "so namespaces whose ResourceQuota requires them admit the pods.", {
+                   "limits": quantity_map("Maximum resources (cpu, memory, ...)."),
+                   "requests": quantity_map("Resources the scheduler reserves."),
+               })

@@ -27,39 +27,42 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 
-{{/* The RBAC rules, shared by the ClusterRole and the per-namespace Roles. */}}
+{{/* The RBAC rules, shared by the ClusterRole and the per-namespace Roles: exactly the calls
+the operator makes (kopf's watches and merge patches, server-side apply = create + patch, reads
+for status). Nothing is ever replaced with PUT, so no rule grants `update`. */}}
 {{- define "mooncake-operator.rules" -}}
 # MooncakeClusters: watched by kopf, status and annotations patched.
 - apiGroups: ["mooncake.io"]
   resources: ["mooncakeclusters"]
-  verbs: ["get", "list", "watch", "patch", "update"]
+  verbs: ["get", "list", "watch", "patch"]
 - apiGroups: ["mooncake.io"]
   resources: ["mooncakeclusters/status"]
-  verbs: ["get", "patch", "update"]
+  verbs: ["get", "patch"]
 # Scalers: applied (server-side apply creates them), watched, scaled, status written.
 - apiGroups: ["mooncake.io"]
   resources: ["mooncakerolescalers"]
-  verbs: ["get", "list", "watch", "create", "patch", "update"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: ["mooncake.io"]
   resources: ["mooncakerolescalers/status", "mooncakerolescalers/scale"]
-  verbs: ["get", "patch", "update"]
+  verbs: ["get", "patch"]
 # Children, applied with server-side apply (create + patch) and read back for status.
 - apiGroups: ["apps"]
   resources: ["statefulsets", "deployments"]
-  verbs: ["get", "list", "watch", "create", "patch", "update"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: [""]
   resources: ["services", "configmaps"]
-  verbs: ["get", "list", "watch", "create", "patch", "update"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["get", "list", "watch", "create", "patch", "update"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["get", "list", "watch", "create", "patch", "update"]
-# The generated cluster token: checked for and created once; never listed or watched.
+  verbs: ["get", "list", "watch", "create", "patch"]
+# The generated cluster token: created once (an existing one answers 409, which is fine). The
+# operator never reads a Secret: pods get the token through secretKeyRef.
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["get", "create"]
+  verbs: ["create"]
 # Pod status: readiness, crash loops and the rdma-probe records.
 - apiGroups: [""]
   resources: ["pods"]
@@ -67,4 +70,23 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]
+{{- end -}}
+
+{{/* The pod securityContext: never root, RuntimeDefault seccomp; a fixed UID/GID only where
+the values set one (OpenShift's restricted SCC assigns its own and refuses a fixed one). */}}
+{{- define "mooncake-operator.podSecurityContext" -}}
+runAsNonRoot: true
+{{- with .Values.podSecurityContext }}
+{{- if hasKey . "runAsUser" }}
+runAsUser: {{ .runAsUser }}
+{{- end }}
+{{- if hasKey . "runAsGroup" }}
+runAsGroup: {{ .runAsGroup }}
+{{- end }}
+{{- if hasKey . "fsGroup" }}
+fsGroup: {{ .fsGroup }}
+{{- end }}
+{{- end }}
+seccompProfile:
+  type: RuntimeDefault
 {{- end -}}

@@ -107,7 +107,11 @@ def test_rbac_is_least_privilege_and_sufficient(repo: Path, examples: dict[str, 
         assert "delete" not in r["verbs"]  # children go through ownerReferences and GC
     # Secrets: the generated token only; never list or watch every Secret in a namespace.
     secrets = [r for r in rules if "secrets" in r["resources"]]
-    assert secrets == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["get", "create"]}]
+    # Only `create`: the operator never reads a Secret (an existing token answers 409).
+    assert secrets == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]}]
+    # Nothing is replaced with PUT; one replica runs standalone and needs no peering.
+    assert not [r for r in rules if "update" in r["verbs"]]
+    assert not [r for r in rules if "kopf.dev" in r["apiGroups"]]
     # Server-side apply of every rendered kind needs create and patch; status needs list.
     plural = {"ConfigMap": "configmaps", "Service": "services", "StatefulSet": "statefulsets",
               "Deployment": "deployments", "PodDisruptionBudget": "poddisruptionbudgets",
@@ -123,6 +127,45 @@ def test_rbac_is_least_privilege_and_sufficient(repo: Path, examples: dict[str, 
     assert _allowed(rules, "", "pods", "list") and _allowed(rules, "", "events", "create")
 
 
+@pytest.mark.parametrize("values", [{"replicaCount": 2},
+                                    {"replicaCount": 2, "watchNamespaces": ["team-a"]}])
+def test_peering_rbac_only_for_ha(repo: Path, values: Obj) -> None:
+    rules = [r for r in _rules(_render_chart(repo, OPERATOR_CHART, values))
+             if "kopf.dev" in r["apiGroups"]]
+    plural = "kopfpeerings" if values.get("watchNamespaces") else "clusterkopfpeerings"
+    assert rules == [{"apiGroups": ["kopf.dev"], "resources": [plural],
+                      "verbs": ["get", "list", "watch", "patch"]}]
+
+
+def test_operator_uid_is_optional(repo: Path) -> None:
+    """Unset, the pod pins no UID/GID (OpenShift's restricted SCC assigns one); set, it does."""
+    def pod_sc(values: Obj) -> Obj:
+        dep = next(d for d in _render_chart(repo, OPERATOR_CHART, values)
+                   if d["kind"] == "Deployment")
+        sc: Obj = dep["spec"]["template"]["spec"]["securityContext"]
+        kubernetes_validate.validate(dep, "1.30", strict=True)
+        return sc
+
+    assert pod_sc({}) == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    pinned = pod_sc({"podSecurityContext": {"runAsUser": 10001, "runAsGroup": 0,
+                                            "fsGroup": 10001}})
+    assert (pinned["runAsUser"], pinned["runAsGroup"], pinned["fsGroup"]) == (10001, 0, 10001)
+    assert pinned["runAsNonRoot"] is True
+    with pytest.raises(helm.HelmError):
+        helm.Chart.load(repo / OPERATOR_CHART).validate_schema(
+            {"podSecurityContext": {"runAsUser": 0}})
+
+
+def test_crd_chart_installs_peering_crds_only_when_asked(repo: Path) -> None:
+    def kopf_crds(values: Obj) -> list[str]:
+        return sorted(d["metadata"]["name"] for d in _render_chart(repo, CRDS_CHART, values)
+                      if d["spec"]["group"] == "kopf.dev")
+
+    assert kopf_crds({}) == []
+    assert kopf_crds({"kopfPeering": {"installCRDs": True}}) == [
+        "clusterkopfpeerings.kopf.dev", "kopfpeerings.kopf.dev"]
+
+
 def test_values_schema_rejects_bad_values(repo: Path) -> None:
     chart = helm.Chart.load(repo / OPERATOR_CHART)
     chart.validate_schema({})
@@ -133,7 +176,7 @@ def test_values_schema_rejects_bad_values(repo: Path) -> None:
 
 
 def test_crd_chart_matches_the_schema_module(repo: Path) -> None:
-    docs = _render_chart(repo, CRDS_CHART)
+    docs = _render_chart(repo, CRDS_CHART, {"kopfPeering": {"installCRDs": True}})
     expected = [crds.chart_crd(c) for c in crds.all_crds().values()]
     key = lambda d: d["metadata"]["name"]  # noqa: E731
     assert sorted(docs, key=key) == sorted(expected, key=key)

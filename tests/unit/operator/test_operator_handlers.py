@@ -298,7 +298,7 @@ async def test_spec_change_patches_only_what_changed(k8s: ApplyingEmulator) -> N
         new_decode = await eventually(
             lambda: obj(k8s, "StatefulSet", "demo-decode")["spec"]["template"] != old_decode
             and obj(k8s, "StatefulSet", "demo-decode")["spec"]["template"])
-        assert new_decode["spec"]["containers"][0]["resources"] == {"requests": {"cpu": "3"}}
+        assert new_decode["spec"]["containers"][0]["resources"]["requests"]["cpu"] == "3"
         await eventually(lambda: obj(k8s, "StatefulSet", "demo-prefill")["spec"]["replicas"] == 3)
         await eventually(lambda: obj(k8s, "MooncakeRoleScaler", "demo-prefill")["spec"][
             "replicas"] == 3)

@@ -293,7 +293,9 @@ def test_scalers_carry_no_replicas_but_the_seed(make_cluster: Callable[..., Obj]
 def test_network_policies(make_cluster: Callable[..., Obj]) -> None:
     r = _render(make_cluster())
     cond = r.get("NetworkPolicy", "demo-conductor")["spec"]["ingress"]
-    assert cond == [{"ports": [{"protocol": "TCP", "port": 8000}]}]
+    # The API and the metrics port (apart from it since issue 18).
+    assert cond == [{"ports": [{"protocol": "TCP", "port": 8000},
+                               {"protocol": "TCP", "port": 9093}]}]
     store = r.get("NetworkPolicy", "demo-store")["spec"]
     assert store["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "store"
     assert {"ports": [{"protocol": "TCP", "port": 9092}]} in store["ingress"]
@@ -612,8 +614,11 @@ def test_sglang_sidecar_is_a_native_sidecar(make_cluster: Callable[..., Obj]) ->
         other = _render(make_cluster({"engine": engine, "model": VLLM_MODEL}))
         for role in ROLES:
             assert "sidecar" not in str(_template(other, role)["spec"].get("initContainers"))
-    for role in ("store", "master", "conductor"):
+    for role in ("store", "master"):
         assert "initContainers" not in _template(r, role)["spec"]
+    # The Conductor fetches only the tokenizer of the workers' model, and has no sidecar.
+    inits = _template(r, "conductor")["spec"]["initContainers"]
+    assert [c["name"] for c in inits] == ["tokenizer-download"]
 
 
 def test_sglang_defaults_to_cuda_with_one_gpu(make_cluster: Callable[..., Obj]) -> None:
@@ -646,9 +651,11 @@ def test_engine_device_for_other_engines(make_cluster: Callable[..., Obj]) -> No
     c = _container(_template(_render(make_cluster({"engine": {"kind": "embedded",
                                                               "device": "cpu"}})), "decode"),
                    "decode")
-    assert _values(c)["MOONCAKE_DEVICE"] == "cpu" and "resources" not in c
+    assert _values(c)["MOONCAKE_DEVICE"] == "cpu"
+    assert not any(pods_sizing.is_gpu_resource(k) for k in c["resources"]["limits"])
     c = _container(_template(_render(make_cluster()), "decode"), "decode")
-    assert "MOONCAKE_DEVICE" not in _values(c) and "resources" not in c
+    assert "MOONCAKE_DEVICE" not in _values(c)
+    assert not any(pods_sizing.is_gpu_resource(k) for k in c["resources"]["limits"])
 
 
 def test_cpu_device_with_a_gpu_is_a_spec_error(make_cluster: Callable[..., Obj]) -> None:
@@ -726,8 +733,8 @@ def test_sidecar_can_be_overridden_per_role(make_cluster: Callable[..., Obj]) ->
         "limits": {"memory": "2Gi"}}}]}}
     t = _template(_sglang(make_cluster, {"decode": {"podTemplate": override}}), "decode")
     (sc,) = [c for c in t["spec"]["initContainers"] if c["name"] == "sidecar"]
-    assert sc["resources"]["limits"] == {"memory": "2Gi"}
-    assert sc["resources"]["requests"]["memory"] == "384Mi"  # maps merge
+    assert sc["resources"]["limits"] == {"cpu": "1", "memory": "2Gi"}  # maps merge
+    assert sc["resources"]["requests"]["memory"] == "384Mi"
     assert sc["restartPolicy"] == "Always"
 
 
