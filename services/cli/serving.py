@@ -124,21 +124,20 @@ def engine_args(o: dict[str, Any]) -> list[str]:
 
 def _engine_checks(kind: str) -> tuple[str | None, tuple[str, ...]]:
     """What is missing to run `kind` here (None: nothing), and the flags its worker owns."""
-    if kind == "vllm":
-        from mooncake_k8s.engine.vllm import server as vllm
+    from mooncake_k8s.engine.registry import engine_kind
 
-        return vllm.check_installed(), vllm.OWNED_FLAGS
-    from mooncake_k8s.engine.sglang import server as sgl
-
-    return sgl.check_installed(), sgl.OWNED_FLAGS
+    k = engine_kind(kind)
+    return k.missing(), k.owned_flags
 
 
 def _worker(role: str, o: dict[str, Any], **extra: Any) -> None:
     o["host"] = _check_bind(o["host"], o["allow_any_address"])
     kind = o["engine_kind"]
     args = engine_args(o)
-    if kind == "embedded" and args:
-        raise click.UsageError(f"the embedded engine takes no pass-through arguments "
+    from mooncake_k8s.engine.registry import engine_kind
+
+    if not engine_kind(kind).takes_args and args:
+        raise click.UsageError(f"the {kind} engine takes no pass-through arguments "
                                f"(got {shlex.join(args)}); they are for --engine vllm|sglang")
     if kind != "embedded":
         problem, owned = _engine_checks(kind)
@@ -179,9 +178,12 @@ def _worker(role: str, o: dict[str, Any], **extra: Any) -> None:
         host=o["host"], port=o["port"], advertise_host=o["advertise_host"],
         metrics_port=None if o["metrics_port"] < 0 else o["metrics_port"],
         instance_id=o["instance_id"] or f"{socket.gethostname()}-{os.getpid()}",
-        revision=o["revision"], transport=transport, engine_kind=kind, engine_args=args,
-        engine_ready_timeout_s=o["engine_ready_timeout"], sidecar=o["sidecar"],
-        pd_port=o["pd_port"], **extra,
+        revision=o["revision"], transport=transport, engine_kind=kind,
+        engine_settings=engine_kind(kind).settings({
+            "args": tuple(args), "ready_timeout_s": o["engine_ready_timeout"],
+            "sidecar": o["sidecar"], "pd_port": o["pd_port"],
+            "bootstrap_port": extra.pop("bootstrap_port", 0)}),
+        **extra,
     )
     if role == "prefill":
         from mooncake_k8s.prefill.service import run_prefill

@@ -1,6 +1,6 @@
 """The decode service: load a request's KV, join the engine's running batch, stream tokens.
 
-The engine (any kind, `worker.api`) loads the prompt's blocks by the keys the Conductor's plan
+The engine (any kind, `engine.api`) loads the prompt's blocks by the keys the Conductor's plan
 carries (computed here only when the plan's namespace is not this engine's) and streams the
 tokens after the first; a client that goes away cancels its sequence.
 
@@ -24,8 +24,8 @@ from mooncake_k8s.common import tracing
 from mooncake_k8s.common.errors import InvalidArgument, StoreError
 from mooncake_k8s.common.metrics import LATENCY_BUCKETS
 from mooncake_k8s.common.rpc import serving_pb2 as pb
-from mooncake_k8s.worker.api import DecodeWork, EngineFailed, KVMissing
-from mooncake_k8s.worker.base import Worker, WorkerConfig, run_worker
+from mooncake_k8s.engine.api import DecodeWork, EngineFailed, KVMissing
+from mooncake_k8s.worker.base import DecodeWorker, WorkerConfig, run_worker
 
 if TYPE_CHECKING:
     from mooncake_k8s.store.local import LocalSegment
@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 SERVICE = "mooncake.serving.v1.Decode"
 
 
-class DecodeService(Worker):
+class DecodeService(DecodeWorker):
     role = "decode"
 
     def __init__(self, config: WorkerConfig) -> None:
@@ -113,7 +113,7 @@ class DecodeService(Worker):
     # -- the RPC ---------------------------------------------------------------------------
 
     def _work(self, req: pb.DecodeRequest) -> DecodeWork:
-        info = self.engine.info
+        info = self.loaded().info
         tokens = list(req.token_ids)
         keys = list(req.block_keys)
         if (not req.namespace or req.namespace != info.namespace(req.tenant).digest().hex()

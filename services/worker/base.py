@@ -1,5 +1,6 @@
 """What the prefill and decode workers share: config, engine start-up, gRPC and health servers,
-load reports and graceful drain. The engine itself sits behind `worker.api` (any kind).
+load reports and graceful drain. The engine itself sits behind the engine seam (`engine.api`),
+of the kind the registry (`engine.registry`) names; the worker imports nothing else of it.
 
 The engine loads in the background so `/healthz` answers at once and `/readyz` turns 200 only
 when the model is in memory; a pod is never routed to before it can serve. On SIGTERM a worker
@@ -17,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Generic, TypeVar
 
 import grpc
 from prometheus_client import CollectorRegistry, Gauge
@@ -26,12 +27,20 @@ from prometheus_client.core import CounterMetricFamily
 from mooncake_k8s.common.health import HealthServer, stop_requested
 from mooncake_k8s.common.rpc import serving_pb2 as pb
 from mooncake_k8s.common.rpcserver import start_server
+from mooncake_k8s.engine.api import (
+    DecodeEngine,
+    Engine,
+    EngineContext,
+    EngineInfo,
+    EngineKind,
+    EngineSettings,
+    ModelConfig,
+    PrefillEngine,
+    Role,
+)
+from mooncake_k8s.engine.registry import engine_kind
 from mooncake_k8s.store.client import StoreClient
 from mooncake_k8s.transfer.rdma import RdmaInfoCollector
-from mooncake_k8s.worker.api import EngineInfo, open_engine
-
-if TYPE_CHECKING:
-    from mooncake_k8s.engine import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +50,8 @@ class WorkerConfig:
 
     role: str
     master: str
-    engine: EngineConfig
+    engine: ModelConfig
+    """The model (the embedded engine takes its own `EngineConfig` here, settings included)."""
     token: str = ""
     host: str = "127.0.0.1"
     port: int = 0
@@ -56,20 +66,15 @@ class WorkerConfig:
     """Decode only: bytes of DRAM served to the store beside the engine (0 = none)."""
     transport: str = "auto"
     engine_kind: str = "embedded"
-    engine_args: list[str] = field(default_factory=list)
-    """Passed through to the engine (vLLM server flags); the embedded engine takes none."""
-    engine_ready_timeout_s: float = 900.0
-    """How long an engine server (vLLM) may take to load before the worker gives up."""
-    sidecar: str = ""
-    """Unix socket of the pod's transfer sidecar: the engine's KV pool traffic goes through it
-    ("" = the engine talks to the store itself)."""
-    bootstrap_port: int = 0
-    """SGLang prefill: port of its PD bootstrap server (0 = any free port)."""
-    pd_port: int = 0
-    """SGLang: port of the transfer server that receives or sends PD KV (0 = any free port)."""
+    """A name in `engine.registry`."""
+    engine_settings: EngineSettings | None = None
+    """The kind's own settings (`EngineKind.settings`); None = the kind's defaults."""
 
 
-class Worker:
+E = TypeVar("E", bound=Engine)
+
+
+class Worker(Generic[E]):
     """Base of the prefill and decode services: everything except the request handling."""
 
     role = "worker"
@@ -77,8 +82,8 @@ class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.registry = CollectorRegistry()
-        self.engine: Any = None
-        """A `PrefillEngine` or `DecodeEngine` (worker.api) once loaded."""
+        self.engine: E | None = None
+        """The role's engine (`engine.api`) once loaded."""
         self.engine_error: str | None = None
         self.store = StoreClient(config.master, config.token, transport=config.transport)
         self.draining = threading.Event()
@@ -108,7 +113,21 @@ class Worker:
             lambda _r, _c: report(), request_deserializer=pb.LoadRequest.FromString,
             response_serializer=pb.LoadReport.SerializeToString)
 
-    def on_engine_loaded(self, engine: Any) -> None:
+    def open_engine(self, kind: type[EngineKind], ctx: EngineContext) -> E:
+        """The role's engine of `kind` (`PrefillWorker`, `DecodeWorker`)."""
+        raise NotImplementedError
+
+    def engine_context(self) -> EngineContext:
+        """What the engine gets from this worker: the model, the kind's settings, the store."""
+        cfg = self.config
+        settings = cfg.engine_settings or engine_kind(cfg.engine_kind).settings({})
+        role: Role = "prefill" if self.role == "prefill" else "decode"
+        return EngineContext(
+            role=role, model=cfg.engine,
+            settings=settings, store=self.store, master=cfg.master, token=cfg.token,
+            host=cfg.host, advertise_host=cfg.advertise_host or "", transport=cfg.transport)
+
+    def on_engine_loaded(self, engine: E) -> None:
         """Hook for subclasses, called before the worker turns ready."""
 
     def start(self) -> None:
@@ -127,7 +146,8 @@ class Worker:
     def _load_engine(self) -> None:
         t0 = time.monotonic()
         try:
-            engine = open_engine(self.role, self.config, self.store)
+            engine = self.open_engine(engine_kind(self.config.engine_kind),
+                                      self.engine_context())
             self.on_engine_loaded(engine)
         except Exception as e:
             self.engine_error = f"{type(e).__name__}: {e}"
@@ -187,7 +207,7 @@ class Worker:
 
     # -- request accounting ----------------------------------------------------------------
 
-    def admit(self, context: grpc.ServicerContext) -> Any:
+    def admit(self, context: grpc.ServicerContext) -> E:
         """Count a request in, or abort it when the worker cannot take it."""
         if self.draining.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.role} is draining")
@@ -197,6 +217,13 @@ class Worker:
         with self._inflight_lock:
             self._inflight += 1
         assert self.engine is not None
+        return self.engine
+
+    def loaded(self) -> E:
+        """The engine, where only an admitted request (or the engine's own thread) can be:
+        it is loaded by then."""
+        if self.engine is None:
+            raise RuntimeError(f"{self.role}: the engine is not loaded")
         return self.engine
 
     def release(self) -> None:
@@ -223,10 +250,28 @@ class Worker:
         return report
 
 
+class PrefillWorker(Worker[PrefillEngine]):
+    """A worker whose engine prefills."""
+
+    role = "prefill"
+
+    def open_engine(self, kind: type[EngineKind], ctx: EngineContext) -> PrefillEngine:
+        return kind.open_prefill(ctx)
+
+
+class DecodeWorker(Worker[DecodeEngine]):
+    """A worker whose engine decodes."""
+
+    role = "decode"
+
+    def open_engine(self, kind: type[EngineKind], ctx: EngineContext) -> DecodeEngine:
+        return kind.open_decode(ctx)
+
+
 class _EngineCounters:
     """Counters the engine keeps itself (e.g. in vLLM's processes), read at scrape time."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker[Any]) -> None:
         self.worker = worker
 
     def describe(self) -> list[Any]:
@@ -246,18 +291,7 @@ class _EngineCounters:
         yield from families.values()
 
 
-def sampling_from_pb(s: pb.Sampling) -> Any:
-    """The engine's SamplingParams from the wire form (validation happens there)."""
-    from mooncake_k8s.engine import SamplingParams
-
-    return SamplingParams(
-        temperature=s.temperature, top_p=s.top_p if s.top_p > 0 else 1.0,
-        max_tokens=s.max_tokens, stop=tuple(s.stop),
-        seed=s.seed if s.has_seed else None, ignore_eos=s.ignore_eos,
-    )
-
-
-def run_worker(worker: Worker) -> None:
+def run_worker(worker: Worker[Any]) -> None:
     """Serve until SIGTERM/SIGINT, then drain and stop. If the engine's own process dies (a
     vLLM server), stop and exit non-zero: the supervisor (`mooncake up`, Kubernetes) restarts
     the worker, and a worker that can never serve again does not linger unready."""

@@ -1,4 +1,4 @@
-"""SGLang behind the worker interface (`worker.api`): prefill and decode through SGLang servers.
+"""SGLang behind the engine seam (`engine.api`): prefill and decode through SGLang servers.
 
 Handoff is SGLang's own PD protocol, paired by the Conductor's plan: both sides get the prefill
 instance's bootstrap address and one room number, and the same request body. The decode server
@@ -22,25 +22,26 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from mooncake_k8s.common.blocks import engine_cache_salt
 from mooncake_k8s.common.errors import InvalidArgument
 from mooncake_k8s.common.rpc import serving_pb2 as pb
-from mooncake_k8s.engine.loading import model_source
-from mooncake_k8s.worker.api import (
+from mooncake_k8s.engine.adapter import ChildEngine, kv_load, with_cache_salt
+from mooncake_k8s.engine.api import (
     DecodeWork,
+    EngineContext,
     EngineCounter,
     EngineFailed,
     EngineInfo,
     EngineLoad,
+    ModelConfig,
     PrefillDone,
     PrefillWork,
     TokenOut,
 )
-from mooncake_k8s.worker.base import WorkerConfig
+from mooncake_k8s.engine.loading import model_source
 
+from .kind import SglangSettings
 from .server import SglangError, SglangServer, SglangServerConfig
 
-LOAD_CACHE_S = 0.2
 HICACHE_OUTCOMES = ("pages_loaded", "pages_missed", "pages_saved", "save_failed")
 
 
@@ -70,39 +71,32 @@ def finish_reason(meta: dict[str, Any]) -> str | None:
     return "length" if kind == "length" else "stop"
 
 
-def _device(config: WorkerConfig) -> str:
-    if config.engine.device:
-        return "cpu" if config.engine.device == "cpu" else "cuda"
+def _device(model: ModelConfig) -> str:
+    if model.device:
+        return "cpu" if model.device == "cpu" else "cuda"
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-class _Sglang:
-    def __init__(self, config: WorkerConfig) -> None:
-        path, fp, name = model_source(config.engine, progress=False)
-        self.server = SglangServer(SglangServerConfig(
+class _Sglang(ChildEngine):
+    server: SglangServer
+
+    def __init__(self, ctx: EngineContext) -> None:
+        settings = ctx.settings_as(SglangSettings)
+        path, fp, name = model_source(ctx.model, progress=False)
+        super().__init__(SglangServer(SglangServerConfig(
             model_dir=path, served_name=name, fingerprint=fp.hex(),
-            page_tokens=config.engine.block_tokens, master=config.master, token=config.token,
-            role=config.role, host=config.host, advertise_host=config.advertise_host or "",
-            device=_device(config), bootstrap_port=config.bootstrap_port,
-            pd_port=config.pd_port, sidecar=config.sidecar,
-            extra_args=list(config.engine_args), transport=config.transport,
-            ready_timeout_s=config.engine_ready_timeout_s,
-        ))
-        self.server.start()
+            page_tokens=ctx.model.block_tokens, master=ctx.master, token=ctx.token,
+            role=ctx.role, host=ctx.host, advertise_host=ctx.advertise_host,
+            device=_device(ctx.model), bootstrap_port=settings.bootstrap_port,
+            pd_port=settings.pd_port, sidecar=settings.sidecar,
+            extra_args=list(settings.args), transport=ctx.transport,
+            ready_timeout_s=settings.ready_timeout_s,
+        )))
         s = self.server
-        self.info = EngineInfo("sglang", name, fp.hex(), s.dtype, config.engine.block_tokens,
+        self.info = EngineInfo("sglang", name, fp.hex(), s.dtype, ctx.model.block_tokens,
                                s.max_context, s.kv_layout, s.bootstrap_addr)
-        self._load = EngineLoad()
-        self._load_at = 0.0
-        self._lock = threading.Lock()
-
-    def close(self) -> None:
-        self.server.stop()
-
-    def failure(self) -> str | None:
-        return self.server.failure()
 
     def counters(self) -> list[EngineCounter]:
         """What our HiCache backend and transfer engine in SGLang's processes did."""
@@ -119,32 +113,16 @@ class _Sglang:
                               float(stats.get("pd_failed", 0)))]
         return out
 
-    def _check(self, e: Exception) -> Exception:
-        if isinstance(e, SglangError) and 400 <= e.status < 500:
-            return InvalidArgument(str(e))
-        return EngineFailed(self.failure() or str(e))
-
-    def load(self) -> EngineLoad:
-        """SGLang's own gauges, read at most every LOAD_CACHE_S."""
-        with self._lock:
-            if time.monotonic() - self._load_at < LOAD_CACHE_S or self.failure():
-                return self._load
-            try:
-                text = self.server.metrics()
-            except (OSError, SglangError):
-                return self._load
-            vals: dict[str, float] = {}
-            for fam in text_string_to_metric_families(text):
-                for smp in fam.samples:
-                    vals[smp.name] = vals.get(smp.name, 0.0) + smp.value
-            cap = int(vals.get("sglang:max_total_num_tokens", 0))
-            used = vals.get("sglang:token_usage", 0.0)
-            self._load = EngineLoad(
-                running=int(vals.get("sglang:num_running_reqs", 0)),
-                waiting=int(vals.get("sglang:num_queue_reqs", 0)),
-                kv_free_tokens=max(0, int(cap * (1 - used))), kv_capacity_tokens=cap)
-            self._load_at = time.monotonic()
-            return self._load
+    def read_load(self, metrics: str) -> EngineLoad:
+        """SGLang's gauges (summed over its processes' samples)."""
+        vals: dict[str, float] = {}
+        for fam in text_string_to_metric_families(metrics):
+            for smp in fam.samples:
+                vals[smp.name] = vals.get(smp.name, 0.0) + smp.value
+        return kv_load(vals.get("sglang:num_running_reqs", 0),
+                       vals.get("sglang:num_queue_reqs", 0),
+                       vals.get("sglang:max_total_num_tokens", 0),
+                       vals.get("sglang:token_usage", 0.0))
 
     def _body(self, tokens: list[int], tenant: str, sampling: pb.Sampling, addr: str,
               room: int) -> dict[str, Any]:
@@ -153,13 +131,9 @@ class _Sglang:
                 "an SGLang worker hands KV over in pairs: this request carries no bootstrap "
                 "address and room (the Conductor sets them when it pairs SGLang instances)")
         host, _, port = addr.rpartition(":")
-        body: dict[str, Any] = {"input_ids": tokens, "sampling_params": sampling_params(sampling),
+        return with_cache_salt({"input_ids": tokens, "sampling_params": sampling_params(sampling),
                                 "bootstrap_host": host.strip("[]"), "bootstrap_port": int(port),
-                                "bootstrap_room": room}
-        salt = engine_cache_salt(tenant)
-        if salt:
-            body["cache_salt"] = salt
-        return body
+                                "bootstrap_room": room}, tenant)
 
 
 class SglangPrefill(_Sglang):
@@ -171,7 +145,7 @@ class SglangPrefill(_Sglang):
         try:
             out = self.server.generate(body)
         except (OSError, SglangError) as e:
-            raise self._check(e) from e
+            raise self.error(e) from e
         meta = out.get("meta_info") or {}
         ids = out.get("output_ids") or []
         if not ids:
@@ -222,6 +196,7 @@ class SglangDecode(_Sglang):
                 if not new and reason is not None:  # ended without a new token
                     yield TokenOut(ids[-1] if ids else 0, delta, True, reason)
         except (OSError, SglangError) as e:
-            raise self._check(e) from e
+            raise self.error(e) from e
         finally:
             stream.close()
+

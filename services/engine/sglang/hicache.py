@@ -35,10 +35,6 @@ from mooncake_k8s.engine.statsfile import stats_path, write_stats
 
 log = logging.getLogger(__name__)
 
-BACKEND_NAME = "mooncake_k8s"
-MODULE = "mooncake_k8s.engine.sglang.hicache"
-CLASS = "MooncakeK8sHiCache"
-
 
 def open_pool(extra: dict[str, Any]) -> Any:
     """The pool the config names: the sidecar's socket when given, else our store directly."""

@@ -32,8 +32,11 @@ from mooncake_k8s.common.blocks import KeyNamespace, sglang_key_prefix
 from mooncake_k8s.common.netutil import free_service_port
 from mooncake_k8s.engine.child import EngineChild, EngineHttpError, owned_flag
 
-from .hicache import BACKEND_NAME, CLASS, MODULE
-
+#: Our HiCache storage backend (`hicache.py`) as SGLang's `dynamic` backend loads it; named, not
+#: imported: it imports SGLang, which only the child process needs.
+BACKEND_NAME = "mooncake_k8s"
+MODULE = "mooncake_k8s.engine.sglang.hicache"
+CLASS = "MooncakeK8sHiCache"
 CPU_PATH = Path(__file__).with_name("cpu_path")
 #: Flags the worker owns; a pass-through argument may not set them.
 OWNED_FLAGS = ("--model-path", "--host", "--port", "--served-model-name", "--page-size",

@@ -1,4 +1,4 @@
-"""vLLM behind the worker interface (`worker.api`): prefill and decode through a vLLM server.
+"""vLLM behind the engine seam (`engine.api`): prefill and decode through a vLLM server.
 
 Prefill→decode handoff goes through the pool: prefill asks its vLLM for one token; the KV
 connector saves the prompt's full blocks to the store (in the plan's write segment, next to the
@@ -22,14 +22,11 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from mooncake_k8s.common.blocks import engine_cache_salt
-from mooncake_k8s.common.errors import InvalidArgument
 from mooncake_k8s.common.rpc import serving_pb2 as pb
-from mooncake_k8s.engine.loading import model_source
-from mooncake_k8s.engine.vllm.connector import PARAMS_KEY
-from mooncake_k8s.engine.vllm.server import VllmError, VllmServer, VllmServerConfig
-from mooncake_k8s.worker.api import (
+from mooncake_k8s.engine.adapter import ChildEngine, ChildSettings, kv_load, with_cache_salt
+from mooncake_k8s.engine.api import (
     DecodeWork,
+    EngineContext,
     EngineCounter,
     EngineFailed,
     EngineInfo,
@@ -38,9 +35,9 @@ from mooncake_k8s.worker.api import (
     PrefillWork,
     TokenOut,
 )
-from mooncake_k8s.worker.base import WorkerConfig
-
-LOAD_CACHE_S = 0.2
+from mooncake_k8s.engine.loading import model_source
+from mooncake_k8s.engine.vllm.connector import PARAMS_KEY
+from mooncake_k8s.engine.vllm.server import VllmError, VllmServer, VllmServerConfig
 
 
 def sampling_body(s: pb.Sampling, max_tokens: int) -> dict[str, Any]:
@@ -54,29 +51,22 @@ def sampling_body(s: pb.Sampling, max_tokens: int) -> dict[str, Any]:
     return body
 
 
-class _Vllm:
-    def __init__(self, config: WorkerConfig) -> None:
-        path, fp, name = model_source(config.engine, progress=False)
-        self.server = VllmServer(VllmServerConfig(
+class _Vllm(ChildEngine):
+    server: VllmServer
+
+    def __init__(self, ctx: EngineContext) -> None:
+        settings = ctx.settings_as(ChildSettings)
+        path, fp, name = model_source(ctx.model, progress=False)
+        super().__init__(VllmServer(VllmServerConfig(
             model_dir=path, served_name=name, fingerprint=fp.hex(),
-            block_tokens=config.engine.block_tokens, master=config.master, token=config.token,
-            role=config.role, extra_args=list(config.engine_args), transport=config.transport,
-            ready_timeout_s=config.engine_ready_timeout_s,
-        ))
-        self.server.start()
+            block_tokens=ctx.model.block_tokens, master=ctx.master, token=ctx.token,
+            role=ctx.role, extra_args=list(settings.args), transport=ctx.transport,
+            ready_timeout_s=settings.ready_timeout_s,
+        )))
         ident = self.server.identity
         self.info = EngineInfo("vllm", name, fp.hex(), str(ident["dtype"]),
                                int(ident["block_tokens"]), self.server.max_model_len,
                                str(ident["kv_layout"]))
-        self._load = EngineLoad()
-        self._load_at = 0.0
-        self._lock = threading.Lock()
-
-    def close(self) -> None:
-        self.server.stop()
-
-    def failure(self) -> str | None:
-        return self.server.failure()
 
     def counters(self) -> list[EngineCounter]:
         """What the KV connector in vLLM's processes did: blocks moved by outcome, and how
@@ -92,46 +82,25 @@ class _Vllm:
                 for k in ("planned", "lookups")]
         return out
 
-    def _check(self, e: Exception) -> Exception:
-        """An error from vLLM as ours: its 4xx is the request's fault, anything else the
-        engine's."""
-        if isinstance(e, VllmError) and 400 <= e.status < 500:
-            return InvalidArgument(str(e))
-        return EngineFailed(self.failure() or str(e))
-
-    def load(self) -> EngineLoad:
-        """vLLM's own gauges, read at most every LOAD_CACHE_S."""
-        with self._lock:
-            if time.monotonic() - self._load_at < LOAD_CACHE_S or self.failure():
-                return self._load
-            try:
-                text = self.server.metrics()
-            except OSError:
-                return self._load
-            vals: dict[str, float] = {}
-            cap = 0
-            for fam in text_string_to_metric_families(text):
-                for smp in fam.samples:
-                    if smp.name == "vllm:cache_config_info":
-                        cap = int(smp.labels.get("kv_cache_size_tokens", "0") or 0)
-                    else:
-                        vals[smp.name] = vals.get(smp.name, 0.0) + smp.value
-            used = vals.get("vllm:kv_cache_usage_perc", 0.0)
-            self._load = EngineLoad(
-                running=int(vals.get("vllm:num_requests_running", 0)),
-                waiting=int(vals.get("vllm:num_requests_waiting", 0)),
-                kv_free_tokens=max(0, int(cap * (1 - used))), kv_capacity_tokens=cap)
-            self._load_at = time.monotonic()
-            return self._load
+    def read_load(self, metrics: str) -> EngineLoad:
+        """vLLM's gauges; the KV capacity is a label of `vllm:cache_config_info`."""
+        vals: dict[str, float] = {}
+        cap = 0
+        for fam in text_string_to_metric_families(metrics):
+            for smp in fam.samples:
+                if smp.name == "vllm:cache_config_info":
+                    cap = int(smp.labels.get("kv_cache_size_tokens", "0") or 0)
+                else:
+                    vals[smp.name] = vals.get(smp.name, 0.0) + smp.value
+        return kv_load(vals.get("vllm:num_requests_running", 0),
+                       vals.get("vllm:num_requests_waiting", 0), cap,
+                       vals.get("vllm:kv_cache_usage_perc", 0.0))
 
     def _body(self, tokens: list[int], tenant: str, params: dict[str, Any]) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.info.served_name, "prompt": tokens,
+        return with_cache_salt({"model": self.info.served_name, "prompt": tokens,
                                 "return_token_ids": True,
-                                "kv_transfer_params": {PARAMS_KEY: {**params, "tenant": tenant}}}
-        salt = engine_cache_salt(tenant)
-        if salt:
-            body["cache_salt"] = salt
-        return body
+                                "kv_transfer_params": {PARAMS_KEY: {**params, "tenant": tenant}}},
+                               tenant)
 
 
 class VllmPrefill(_Vllm):
@@ -146,7 +115,7 @@ class VllmPrefill(_Vllm):
         try:
             out = self.server.complete(body)
         except (OSError, VllmError) as e:
-            raise self._check(e) from e
+            raise self.error(e) from e
         choice = out["choices"][0]
         ids = choice.get("token_ids") or []
         if not ids:
@@ -189,6 +158,7 @@ class VllmDecode(_Vllm):
                     if not ids and reason is not None:  # a stop string ended it: no new token
                         yield TokenOut(last_id, text, True, reason)
         except (OSError, VllmError) as e:
-            raise self._check(e) from e
+            raise self.error(e) from e
         finally:
             stream.close()
+

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from mooncake_k8s.engine import Engine, EngineConfig, load_engine
+from mooncake_k8s.engine.embedded import Engine, EngineConfig, load_engine
 
 
 @pytest.fixture(scope="session")

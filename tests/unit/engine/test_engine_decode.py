@@ -6,9 +6,9 @@ import pytest
 
 from mooncake_k8s.common.blocks import HEADER_SIZE
 from mooncake_k8s.common.errors import IntegrityError, InvalidArgument
-from mooncake_k8s.engine import Engine, EngineFull, SamplingParams
-from mooncake_k8s.engine.testing import GREEDY, all_blocks, decode_alone, generate
-from mooncake_k8s.engine.testing import prompt_tokens as prompt
+from mooncake_k8s.engine.embedded import Engine, EngineFull, SamplingParams
+from mooncake_k8s.engine.embedded.testing import GREEDY, all_blocks, decode_alone, generate
+from mooncake_k8s.engine.embedded.testing import prompt_tokens as prompt
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 

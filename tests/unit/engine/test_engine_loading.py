@@ -13,15 +13,15 @@ import torch
 
 from mooncake_k8s.common.blocks import decode_block
 from mooncake_k8s.common.errors import InvalidArgument
-from mooncake_k8s.engine import (
+from mooncake_k8s.engine import loading
+from mooncake_k8s.engine.embedded import (
     BUILTIN_NAME,
     Engine,
     EngineConfig,
     ModelLoadError,
     load_engine,
-    loading,
 )
-from mooncake_k8s.engine.testing import GREEDY, all_blocks, decode_alone, prompt_tokens
+from mooncake_k8s.engine.embedded.testing import GREEDY, all_blocks, decode_alone, prompt_tokens
 
 TINY: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
@@ -193,7 +193,7 @@ def test_staged_group_view_matches_per_block_slices() -> None:
     """The GPU import/export path moves groups of blocks through one staging tensor; its view
     of the cache must address exactly each block's token range."""
     from mooncake_k8s.common.blocks import BlockLayout
-    from mooncake_k8s.engine.kvblocks import BlockCodec
+    from mooncake_k8s.engine.embedded.kvblocks import BlockCodec
 
     codec = BlockCodec(BlockLayout(b"f" * 16, "float32", 3, 2, 8), block_tokens=4)
     kv = torch.randn(3, 2, 2, 40, 8)

@@ -16,9 +16,9 @@ from mooncake_k8s.common.blocks import (
     encode_block,
 )
 from mooncake_k8s.common.errors import InvalidArgument
-from mooncake_k8s.engine import Engine, SamplingParams
-from mooncake_k8s.engine.testing import GREEDY, all_blocks, decode_alone, poison_scratch
-from mooncake_k8s.engine.testing import prompt_tokens as prompt
+from mooncake_k8s.engine.embedded import Engine, SamplingParams
+from mooncake_k8s.engine.embedded.testing import GREEDY, all_blocks, decode_alone, poison_scratch
+from mooncake_k8s.engine.embedded.testing import prompt_tokens as prompt
 
 
 @pytest.mark.parametrize("n", [37, 128, 133, 600])

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from mooncake_k8s.common.errors import InvalidArgument
-from mooncake_k8s.engine import EngineConfig, SamplingParams
-from mooncake_k8s.engine.sampling import position_seed, sample_batch, sample_one
+from mooncake_k8s.engine.embedded import EngineConfig, SamplingParams
+from mooncake_k8s.engine.embedded.sampling import position_seed, sample_batch, sample_one
 
 
 @pytest.mark.parametrize(

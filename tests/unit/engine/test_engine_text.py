@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from mooncake_k8s.common.errors import InvalidArgument
-from mooncake_k8s.engine import Engine
-from mooncake_k8s.engine.detokenizing import TextStream
+from mooncake_k8s.engine.embedded import Engine
+from mooncake_k8s.engine.embedded.detokenizing import TextStream
 
 
 def test_chat_template_ends_with_the_assistant_prompt(engine: Engine) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mooncake_k8s.common.rpc import serving_pb2 as pb
-from mooncake_k8s.worker.api import EngineInfo, resolve_plan
+from mooncake_k8s.engine.api import EngineInfo, resolve_plan
 
 INFO = EngineInfo("vllm", "m", "ab" * 16, "bfloat16", 4, 128, "vllm-cpu")
 TOKENS = list(range(10))  # two full blocks of 4

