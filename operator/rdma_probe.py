@@ -1,5 +1,8 @@
 """`mooncake rdma-probe`: find the RDMA devices a pod can use and record them as JSON.
 
+EXPERIMENTAL, like everything RDMA here: the record says which devices a pod sees, not what its
+KV uses (TCP in this release; the operator's KVTransport condition says so).
+
 Runs as an init container of prefill, decode and store pods when `rdma.enabled`. It asks
 pyverbs (rdma-core's Python bindings) when they are importable and otherwise reads sysfs
 (`/sys/class/infiniband`), which needs no library. A device counts as usable when one of its
@@ -8,7 +11,8 @@ into pods that request its resource).
 
 The record goes to stdout, to `--output` (a shared emptyDir the main container can read) and to
 the termination log, where the kubelet copies it into the pod status for the operator's
-RDMAReady condition. It stays under the kubelet's 4 KiB termination-message limit.
+RDMAReady condition (present only when the cluster asks for RDMA). It stays under the
+kubelet's 4 KiB termination-message limit.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ from mooncake_k8s.operator.schema_dsl import Schema, array, integer, number, obj
 
 def _condition() -> Schema:
     return obj("A condition of the cluster.", {
-        "type": string("Ready, Progressing, Degraded, KVStoreReady or RDMAReady."),
+        "type": string("Ready, Progressing, Degraded, KVStoreReady, KVTransport or RDMAReady "
+                       "(the last only with rdma.enabled)."),
         "status": string("True, False or Unknown.", enum=("True", "False", "Unknown")),
         "reason": string("CamelCase reason for the last transition."),
         "message": string("Human-readable detail."),
@@ -34,7 +35,9 @@ def cluster_status_schema(roles: tuple[str, ...]) -> Schema:
     """The status of a cluster whose pods play `roles`."""
     s = obj("Observed state, written by the operator.", {
         "observedGeneration": integer("metadata.generation the operator last applied."),
-        "conditions": array("Ready, Progressing, Degraded, KVStoreReady and RDMAReady.",
+        "conditions": array("Ready, Progressing, Degraded, KVStoreReady, KVTransport (how KV "
+                            "moves between pods: reason Tcp or Rdma) and, with rdma.enabled, "
+                            "RDMAReady (EXPERIMENTAL: which devices the pods see).",
                             _condition(), max_items=16),
         "roles": obj("Per-role replicas.", {r: _role_status() for r in roles}),
         "servingRevision": string("Revision prefill and decode pair on (label "
@@ -44,7 +47,10 @@ def cluster_status_schema(roles: tuple[str, ...]) -> Schema:
             "usedBytes": integer("Bytes allocated to KV blocks."),
             "hitRate": number("Fraction of block lookups that hit since the master started."),
         }),
-        "rdma": obj("What the rdma-probe init containers found.", {
+        "kvTransport": string("How KV moves between pods: `tcp`, or `rdma` (EXPERIMENTAL; "
+                              "admission refuses it in this release).", enum=("tcp", "rdma")),
+        "rdma": obj("EXPERIMENTAL, with rdma.enabled: what the rdma-probe init containers found "
+                    "(devices the pods see; KV does not use them, see kvTransport).", {
             "podsWithDevices": integer("Data pods whose probe found an active device."),
             "podsWithoutDevices": integer("Data pods whose probe found none (TCP)."),
             "devices": array("Distinct device names seen.", string("Device name."),

@@ -5,8 +5,14 @@ rendered; the output is the `status` body to patch. Conditions keep their lastTr
 while their status is unchanged, so an unchanged cluster yields an identical status and the
 operator's patch becomes a no-op.
 
-RDMA: each data pod's `rdma-probe` init container writes a JSON record to its termination
-message; the kubelet publishes it in the pod status, where this module reads it.
+KV transport: `KVTransport` (and `status.kvTransport`) say how KV really moves between pods. In
+this release that is TCP: `auto` uses shared memory only inside a pod and never picks RDMA, and
+admission refuses `transferProtocol: rdma`.
+
+RDMA (EXPERIMENTAL): only when `rdma.enabled`, each data pod's `rdma-probe` init container writes
+a JSON record to its termination message; the kubelet publishes it in the pod status, where this
+module reads it for `RDMAReady`. That condition says which devices pods can see, not what KV
+uses; a cluster that does not ask for RDMA has no RDMAReady condition at all.
 """
 
 from __future__ import annotations
@@ -22,7 +28,11 @@ from mooncake_k8s.operator.render import Rendered
 from mooncake_k8s.operator.schema import DATA_ROLES, ROLES
 
 Obj = dict[str, Any]
-CONDITIONS = ("Ready", "Progressing", "Degraded", "KVStoreReady", "RDMAReady")
+CONDITIONS = ("Ready", "Progressing", "Degraded", "KVStoreReady", "KVTransport", "RDMAReady")
+# transferProtocol -> (status.kvTransport, the KVTransport condition's reason)
+_TRANSPORTS = {"auto": ("tcp", "Tcp"), "tcp": ("tcp", "Tcp"), "rdma": ("rdma", "Rdma")}
+# kstatus' abnormal-true pair, read by Flux and other kstatus-based tools (see kstatus_conditions).
+KSTATUS_CONDITIONS = ("Reconciling", "Stalled")
 _BAD_WAITING = {"CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName",
                 "CreateContainerConfigError", "CreateContainerError"}
 
@@ -70,10 +80,29 @@ def rdma_record(pod: Obj) -> Obj | None:
     return None
 
 
-def _rdma(spec: Obj, pods: Sequence[Obj]) -> tuple[Obj, Obj]:
+def kv_transport(spec: Obj) -> tuple[str, Obj]:
+    """How KV moves between the cluster's pods (`status.kvTransport`) and the condition that
+    says so. Derived from the spec because it is decided there: workers never choose RDMA by
+    themselves, and pods have separate /dev/shm, so `auto` means TCP between pods."""
+    proto = str(spec.get("transferProtocol", "auto"))
+    transport, reason = _TRANSPORTS.get(proto, ("tcp", "Tcp"))
+    if transport == "rdma":
+        msg = "transferProtocol rdma: KV moves over RDMA (EXPERIMENTAL, untested on hardware)"
+    elif proto == "tcp":
+        msg = "transferProtocol tcp: KV moves between pods over TCP"
+    else:
+        msg = ("transferProtocol auto: KV moves between pods over TCP (shared memory only "
+               "inside a pod; RDMA is never chosen)")
+    if transport != "rdma" and spec["rdma"]["enabled"]:
+        msg += "; rdma.enabled (EXPERIMENTAL) only gives pods the devices, KV does not use them"
+    return transport, {"type": "KVTransport", "status": "True", "reason": reason,
+                       "message": msg}
+
+
+def _rdma(spec: Obj, pods: Sequence[Obj]) -> tuple[Obj | None, Obj]:
+    """RDMAReady and status.rdma when rdma.enabled (EXPERIMENTAL), else neither."""
     if not spec["rdma"]["enabled"]:
-        return ({"type": "RDMAReady", "status": "False", "reason": "Disabled",
-                 "message": "rdma.enabled is false; KV transfers use TCP"}, {})
+        return None, {}
     with_dev, without, pending = 0, 0, 0
     names: set[str] = set()
     for pod in pods:
@@ -96,12 +125,13 @@ def _rdma(spec: Obj, pods: Sequence[Obj]) -> tuple[Obj, Obj]:
                     "message": f"{without} data pod(s) found no usable RDMA device and "
                                "rdma.required is set; they cannot start"}
         else:
-            cond = {"status": "False", "reason": "FallbackToTCP",
+            cond = {"status": "False", "reason": "NoDevice",
                     "message": f"{without} of {with_dev + without} data pods found no usable "
-                               "RDMA device and transfer KV over TCP"}
+                               "RDMA device (KV moves over TCP either way, see KVTransport)"}
     elif with_dev and not pending:
         cond = {"status": "True", "reason": "DevicesFound",
-                "message": f"{with_dev} data pods use {', '.join(sorted(names))}"}
+                "message": f"{with_dev} data pods see {', '.join(sorted(names))} (EXPERIMENTAL: "
+                           "KV still moves over TCP, see KVTransport)"}
     else:
         cond = {"status": "Unknown", "reason": "ProbePending",
                 "message": f"waiting for the rdma-probe of {pending or 'every'} data pod(s)"}
@@ -174,7 +204,7 @@ def aggregate(cluster: Obj, rendered: Rendered, observed: Observed, now: str) ->
                       "message": "no rollout or scaling in progress"})
 
     degraded = ([observed.error] if observed.error else []) + problems
-    if rdma_cond["reason"] == "DeviceMissing":
+    if rdma_cond is not None and rdma_cond["reason"] == "DeviceMissing":
         degraded.append(rdma_cond["message"])
     conds.append({"type": "Degraded", "status": "True" if degraded else "False",
                   "reason": ("InvalidSpec" if observed.error else "PodsFailing" if problems
@@ -195,7 +225,12 @@ def aggregate(cluster: Obj, rendered: Rendered, observed: Observed, now: str) ->
                                  f"{roles['master']['replicas']}, store "
                                  f"{roles['store']['readyReplicas']}/"
                                  f"{roles['store']['replicas']} ready"})
-    conds.append(rdma_cond)
+    transport, transport_cond = kv_transport(spec)
+    conds.append(transport_cond)
+    if rdma_cond is not None:
+        conds.append(rdma_cond)
+
+    conds += kstatus_conditions(conds[0], conds[1])
 
     old = (cluster.get("status") or {}).get("conditions") or []
     ns = meta.get("namespace") or "default"
@@ -208,10 +243,35 @@ def aggregate(cluster: Obj, rendered: Rendered, observed: Observed, now: str) ->
         "servingRevision": rendered.serving_revision,
         "endpoint": f"http://{host}:{port}/v1",
         "store": _store(spec, rendered, usage),
+        "kvTransport": transport,
     }
     if rdma_summary:
         status["rdma"] = rdma_summary
     return status
+
+
+def kstatus_conditions(ready: Obj, progressing: Obj) -> list[Obj]:
+    """`Reconciling` and `Stalled`, the abnormal-true pair kstatus reads (Flux's health checks,
+    kstatus-based tools): Stalled while only a spec change can help (an invalid spec), so Flux
+    fails at once instead of waiting for its timeout; Reconciling while the operator is still
+    moving the cluster toward its spec. Both False once it got there (Ready, or deliberately
+    scaled to zero). Pods that crash keep Reconciling True: a missing Secret or image may
+    appear, so the health check's timeout decides."""
+    if ready["reason"] == "InvalidSpec":
+        return [{"type": "Reconciling", "status": "False", "reason": "InvalidSpec",
+                 "message": "nothing is applied until the spec is fixed"},
+                {"type": "Stalled", "status": "True", "reason": "InvalidSpec",
+                 "message": ready["message"]}]
+    stalled = {"type": "Stalled", "status": "False", "reason": "AsExpected", "message": ""}
+    if progressing["status"] == "True":
+        busy = progressing
+    elif ready["status"] != "True" and ready["reason"] != "ScaledToZero":
+        busy = ready
+    else:
+        return [{"type": "Reconciling", "status": "False", "reason": "Reconciled",
+                 "message": "the cluster matches its spec"}, stalled]
+    return [{"type": "Reconciling", "status": "True", "reason": busy["reason"],
+             "message": busy["message"]}, stalled]
 
 
 def _count(observed: Observed, role: str) -> int | None:

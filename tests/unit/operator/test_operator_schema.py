@@ -81,7 +81,7 @@ def test_crd_has_status_scale_columns_and_short_name() -> None:
     assert c["spec"]["names"]["shortNames"] == ["mcc"]
     assert v["subresources"] == {"status": {}}
     assert {col["name"] for col in v["additionalPrinterColumns"]} >= {
-        "Ready", "Prefill", "Decode", "Store", "RDMA", "Age"}
+        "Ready", "Prefill", "Decode", "Store", "Transport", "Age"}
     s = crds.scaler_crd()["spec"]["versions"][0]["subresources"]["scale"]
     assert s == {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
                  "labelSelectorPath": ".status.selector"}

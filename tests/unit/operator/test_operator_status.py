@@ -16,8 +16,9 @@ from mooncake_k8s.operator.metrics import store_usage
 from mooncake_k8s.operator.rdma_probe import compact, probe
 from mooncake_k8s.operator.render import Rendered, render
 from mooncake_k8s.operator.schema import ROLES
+from mooncake_k8s.operator.schema_status import cluster_status_schema
 from mooncake_k8s.operator.status import Observed, aggregate
-from mooncake_k8s.operator.validation import validate_cluster
+from mooncake_k8s.operator.validation import validate, validate_cluster
 
 Obj = dict[str, Any]
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
@@ -70,7 +71,10 @@ def test_everything_ready(base: tuple[Obj, Rendered]) -> None:
     assert cond(s, "Progressing")["reason"] == "Stable"
     assert cond(s, "Degraded")["status"] == "False"
     assert cond(s, "KVStoreReady")["message"] == "400 of 4000 bytes used"
-    assert cond(s, "RDMAReady")["reason"] == "Disabled"
+    # RDMA not asked for: no RDMAReady noise; KVTransport says what KV really uses
+    assert "RDMAReady" not in [c["type"] for c in s["conditions"]] and "rdma" not in s
+    assert (cond(s, "KVTransport")["status"], cond(s, "KVTransport")["reason"]) == ("True", "Tcp")
+    assert s["kvTransport"] == "tcp"
     assert s["store"] == {"capacityBytes": 4000, "usedBytes": 400, "hitRate": 0.75}
     assert s["roles"]["prefill"] == {"replicas": 2, "readyReplicas": 2, "updatedReplicas": 2,
                                      "revision": r.revisions["prefill"]}
@@ -138,7 +142,7 @@ NONE = {"usable": False, "devices": [], "reason": "no RDMA device found"}
 
 @pytest.mark.parametrize(("required", "records", "status", "reason"), [
     (False, [USABLE, USABLE, USABLE], "True", "DevicesFound"),
-    (False, [USABLE, NONE, USABLE], "False", "FallbackToTCP"),
+    (False, [USABLE, NONE, USABLE], "False", "NoDevice"),
     (True, [USABLE, NONE, USABLE], "False", "DeviceMissing"),
     (False, [USABLE, None, USABLE], "Unknown", "ProbePending"),
 ])
@@ -155,10 +159,31 @@ def test_rdma_ready_from_probe_records(make_cluster: Callable[..., Obj], require
     assert (cond(s, "RDMAReady")["status"], cond(s, "RDMAReady")["reason"]) == (status, reason)
     degraded = cond(s, "Degraded")
     assert (degraded["reason"] == "RDMADeviceMissing") is (reason == "DeviceMissing")
-    if reason == "FallbackToTCP":
-        assert "transfer KV over TCP" in cond(s, "RDMAReady")["message"]
+    # devices or not, KV moves over TCP, and the conditions say so
+    assert (cond(s, "KVTransport")["reason"], s["kvTransport"]) == ("Tcp", "tcp")
+    assert "EXPERIMENTAL" in cond(s, "KVTransport")["message"]
+    if reason == "DevicesFound":
+        assert "mlx5_0" in cond(s, "RDMAReady")["message"]
+        assert "over TCP" in cond(s, "RDMAReady")["message"]
+    if reason == "NoDevice":
+        assert "over TCP" in cond(s, "RDMAReady")["message"]
         assert s["rdma"] == {"podsWithDevices": 2, "podsWithoutDevices": 1,
                              "devices": ["mlx5_0"]}
+
+
+def test_kv_transport_follows_the_protocol(make_cluster: Callable[..., Obj]) -> None:
+    c = validate_cluster(make_cluster({"transferProtocol": "tcp"}))
+    r = render(c)
+    s = aggregate(c, r, Observed(healthy(r), []), T0)
+    assert cond(s, "KVTransport")["message"].startswith("transferProtocol tcp")
+    assert s["kvTransport"] == "tcp"
+    # the status the operator writes is valid under the CRD's status schema
+    validate(cluster_status_schema(ROLES), s)
+    # an old RDMAReady from before is dropped once RDMA is not asked for
+    c["status"] = {"conditions": [{"type": "RDMAReady", "status": "False",
+                                   "reason": "Disabled", "lastTransitionTime": T0}]}
+    s = aggregate(c, r, Observed(healthy(r), []), T0)
+    assert "RDMAReady" not in [x["type"] for x in s["conditions"]]
 
 
 # ---- rdma-probe
