@@ -1,8 +1,9 @@
 """The decode service: load a request's KV, join the engine's running batch, stream tokens.
 
-The engine (any kind, `engine.api`) loads the prompt's blocks by the keys the Conductor's plan
-carries (computed here only when the plan's namespace is not this engine's) and streams the
-tokens after the first; a client that goes away cancels its sequence.
+The engine (any kind, `engine.api`) loads the prompt's blocks by the keys of the Conductor's plan
+(the very `KVPlan` the prefill call carried, judged by the same `resolve_plan`: computed here
+only when the plan's namespace is not this engine's) and streams the tokens after the first; a
+client that goes away cancels its sequence.
 
 With `local_segment_size` the decode process also serves a DRAM segment to the store (like a
 storage node living beside the engine); prefill writes a request's blocks there, so the KV this
@@ -24,7 +25,7 @@ from mooncake_k8s.common import tracing
 from mooncake_k8s.common.errors import InvalidArgument, StoreError
 from mooncake_k8s.common.metrics import LATENCY_BUCKETS
 from mooncake_k8s.common.rpc import serving_pb2 as pb
-from mooncake_k8s.engine.api import DecodeWork, EngineFailed, KVMissing
+from mooncake_k8s.engine.api import DecodeWork, EngineFailed, KVMissing, resolve_plan
 from mooncake_k8s.worker.base import DecodeWorker, WorkerConfig, run_worker
 
 if TYPE_CHECKING:
@@ -56,6 +57,9 @@ class DecodeService(DecodeWorker):
                                    "Streams whose client went away before the end", registry=r)
         self.m_kv_free = Gauge("mooncake_decode_kv_free_tokens",
                                "Tokens of KV the engine has free", registry=r)
+        self.m_plans = Counter("mooncake_decode_plans_total",
+                               "Conductor plans: followed, or not trusted (keys recomputed)",
+                               ["outcome"], registry=r)
 
     def start(self) -> None:
         cfg = self.config
@@ -113,15 +117,15 @@ class DecodeService(DecodeWorker):
     # -- the RPC ---------------------------------------------------------------------------
 
     def _work(self, req: pb.DecodeRequest) -> DecodeWork:
-        info = self.loaded().info
+        """The engine's work, following the request's plan as `resolve_plan` judges it (the
+        one rule prefill follows too): its keys when made in this engine's namespace."""
         tokens = list(req.token_ids)
-        keys = list(req.block_keys)
-        if (not req.namespace or req.namespace != info.namespace(req.tenant).digest().hex()
-                or len(keys) != len(tokens) // info.block_tokens):
-            keys = info.block_keys(tokens, req.tenant)
+        plan, trusted = resolve_plan(req.plan, self.loaded().info, tokens, req.tenant, True)
+        if req.plan.planned:
+            self.m_plans.labels("followed" if trusted else "untrusted").inc()
         return DecodeWork(req.request_id, tokens, req.tenant, req.first_token, req.sampling,
-                          keys, req.tail_key, dict(req.trace_context),
-                          req.bootstrap_addr, req.bootstrap_room)
+                          list(plan.keys), req.tail_key, dict(req.trace_context),
+                          plan.bootstrap_addr, plan.bootstrap_room)
 
     def decode(self, req: pb.DecodeRequest, ctx: grpc.ServicerContext) -> Iterator[pb.DecodeChunk]:
         engine = self.admit(ctx)

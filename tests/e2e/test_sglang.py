@@ -152,7 +152,8 @@ def _paired(cluster: LocalCluster, i: int, ids: list[int], max_tokens: int = 4,
         try:
             for chunk in decode(pb.DecodeRequest(
                     request_id=f"d-{room}", token_ids=ids, tenant=tenant, sampling=sampling,
-                    bootstrap_addr=addr, bootstrap_room=room), metadata=_auth(cluster),
+                    plan=pb.KVPlan(bootstrap_addr=addr, bootstrap_room=room)),
+                    metadata=_auth(cluster),
                     timeout=300):
                 tokens.append(chunk.token_id)
         except BaseException as e:

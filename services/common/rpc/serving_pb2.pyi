@@ -102,7 +102,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token: _Optional[int] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., tail_key: _Optional[str] = ..., stored_blocks: _Optional[int] = ..., rejected_blocks: _Optional[int] = ..., queue_ms: _Optional[float] = ..., load_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., store_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "tenant", "first_token", "sampling", "tail_key", "trace_context", "block_keys", "namespace", "bootstrap_addr", "bootstrap_room")
+    __slots__ = ("request_id", "token_ids", "tenant", "first_token", "sampling", "tail_key", "trace_context", "plan")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -117,10 +117,7 @@ class DecodeRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TAIL_KEY_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
-    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
-    BOOTSTRAP_ADDR_FIELD_NUMBER: _ClassVar[int]
-    BOOTSTRAP_ROOM_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     tenant: str
@@ -128,11 +125,8 @@ class DecodeRequest(_message.Message):
     sampling: Sampling
     tail_key: str
     trace_context: _containers.ScalarMap[str, str]
-    block_keys: _containers.RepeatedScalarFieldContainer[str]
-    namespace: str
-    bootstrap_addr: str
-    bootstrap_room: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., tail_key: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., block_keys: _Optional[_Iterable[str]] = ..., namespace: _Optional[str] = ..., bootstrap_addr: _Optional[str] = ..., bootstrap_room: _Optional[int] = ...) -> None: ...
+    plan: KVPlan
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., tail_key: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., plan: _Optional[_Union[KVPlan, _Mapping]] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
     __slots__ = ("token_id", "text", "finished", "finish_reason")

@@ -30,7 +30,7 @@ from mooncake_k8s.conductor.sched.kvindex import KVIndex, Match
 from mooncake_k8s.conductor.sched.policies import POLICIES, Policy, picks
 
 __all__ = ["POLICIES", "Decision", "DecodeView", "Demand", "Policy", "PrefillView",
-           "Scheduler", "SchedulerConfig"]
+           "Scheduler", "SchedulerConfig", "paired"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,9 @@ class Demand:
     max_tokens: int
     """Output tokens to plan for (the request's limit: the scheduler cannot know more)."""
     priority: str = "interactive"
+    block_tokens: int = 0
+    """Tokens per block of `keys` (the prefill engine's, from its load report); 0: the
+    scheduler's configured size."""
 
 
 @dataclass(slots=True)
@@ -76,6 +79,8 @@ class PrefillView:
     """Predicted time until a new request would start computing here."""
     local_mask: int = 0
     """KV index mask of this instance's own segments (0: it holds nothing locally)."""
+    revision: str = ""
+    """The deployment revision it runs: paired only with decode instances of the same one."""
 
 
 @dataclass(slots=True)
@@ -86,6 +91,8 @@ class DecodeView:
     kv_used_tokens: int = 0
     kv_capacity_tokens: int = 0
     """0 = unknown: the cost model's capacity applies (or none)."""
+    revision: str = ""
+    """The deployment revision it runs (see `PrefillView.revision`)."""
 
 
 @dataclass(slots=True)
@@ -119,7 +126,7 @@ class Scheduler:
         self.index = index
         self.ledger = DecodeLedger()
         self.block_tokens = config.block_tokens
-        """The cluster's; the live router keeps it in step with the workers' reports."""
+        """Of the decision under way: `Demand.block_tokens`, else the configured size."""
         self._prefill_pick, self._decode_pick = picks(Policy(config.policy),
                                                          random.Random(config.seed))
         self._memo: dict[tuple[int, int, int, int, int, bool], tuple[float, int]] = {}
@@ -182,27 +189,52 @@ class Scheduler:
     # -- the decision ----------------------------------------------------------------------
 
     def decide(self, demand: Demand, prefills: Sequence[PrefillView],
-               decodes: Sequence[DecodeView], now_ms: float) -> Decision:
-        """Choose (prefill, decode) for one request; record it in the ledger if admitted."""
+               decodes: Sequence[DecodeView], now_ms: float, *, shed: bool = True) -> Decision:
+        """Choose (prefill, decode) for one request; record it in the ledger if admitted.
+
+        A prefill instance is paired only with decode instances of its revision (`paired`).
+        `shed=False` admits whatever the prediction says (a resumed stream, which the client
+        is already reading, is never refused); the choice is made the same way."""
         if not prefills or not decodes:
             raise ValueError("decide needs at least one prefill and one decode instance")
+        self.block_tokens = demand.block_tokens or self.config.block_tokens
         prompt = demand.prompt_tokens
-        match = self.index.match(demand.keys, [p.local_mask for p in prefills])
-        local = match.local_blocks
-        pi, ttft, fetch = self._prefill_pick(self, prefills, match, prompt)
-        reuse = local[pi] + fetch
+        pi, ttft, fetch, local, match = self._pick_prefill(demand, prefills, decodes)
+        reuse = local + fetch
         cached = self._tokens(reuse, prompt)
         self.ledger.expire(now_ms)
-        di, tbt, fits, clears = self._pick_decode(demand, decodes, now_ms + ttft)
+        di, tbt, fits, clears = self._pick_decode(demand, decodes, prefills[pi].revision,
+                                                  now_ms + ttft)
         adm = self.config.admission
-        verdict = (judge(adm, demand.priority, ttft, tbt, fits, clears) if adm is not None
-                   else Verdict(True))
+        verdict = (judge(adm, demand.priority, ttft, tbt, fits, clears)
+                   if adm is not None and shed else Verdict(True))
         if verdict.admit:
             out = max(0, demand.max_tokens - 1)
             finish = now_ms + ttft + out * tbt
             self.ledger.add(decodes[di].slot, finish, prompt + demand.max_tokens)
-        return Decision(pi, di, local[pi], fetch, cached, ttft, tbt,
+        return Decision(pi, di, local, fetch, cached, ttft, tbt,
                         fetch >= self.config.replicate_min_blocks, verdict, match)
+
+    def _pick_prefill(self, demand: Demand, prefills: Sequence[PrefillView],
+                      decodes: Sequence[DecodeView]) -> tuple[int, float, int, int, Match]:
+        """(index, predicted TTFT, blocks to fetch, local blocks, the index's match).
+
+        The policy picks among every instance; only when its pick has no decode instance of
+        its revision (a rollout under way) does it pick again among those that have one, so
+        the usual case costs one comparison. The match is then over those (`Decision.match`
+        is over the candidates of the final pick)."""
+        prompt = demand.prompt_tokens
+        match = self.index.match(demand.keys, [p.local_mask for p in prefills])
+        pi, ttft, fetch = self._prefill_pick(self, prefills, match, prompt)
+        if paired(prefills[pi].revision, decodes):
+            return pi, ttft, fetch, match.local_blocks[pi], match
+        ok = [i for i, p in enumerate(prefills) if paired(p.revision, decodes)]
+        if not ok:  # no revision in common: any pair beats refusing
+            return pi, ttft, fetch, match.local_blocks[pi], match
+        some = [prefills[i] for i in ok]
+        match = self.index.match(demand.keys, [p.local_mask for p in some])
+        si, ttft, fetch = self._prefill_pick(self, some, match, prompt)
+        return ok[si], ttft, fetch, match.local_blocks[si], match
 
     def _state(self, d: DecodeView, t_ms: float) -> tuple[int, int, int]:
         """(sequences, reserved tokens, capacity) predicted for a decode instance at t."""
@@ -210,17 +242,30 @@ class Scheduler:
         cap = d.kv_capacity_tokens or self.model.decode.kv_capacity_tokens
         return max(seqs, d.running), max(toks, d.kv_used_tokens), cap
 
-    def _pick_decode(self, demand: Demand, decodes: Sequence[DecodeView],
+    def _pick_decode(self, demand: Demand, decodes: Sequence[DecodeView], revision: str,
                      arrive_ms: float) -> tuple[int, float, bool, float]:
-        """(index, predicted TBT, KV fits, ms until its next predicted finish)."""
+        """(index, predicted TBT, KV fits, ms until its next predicted finish), among the
+        instances of `revision` when there are any (picked again among those only when the
+        first pick is of another revision: for the least-loaded policies the same answer)."""
         need = demand.prompt_tokens + demand.max_tokens
         step = self.model.step_ms
         di = self._decode_pick(self, decodes, need)
+        if decodes[di].revision != revision:
+            same = [i for i, d in enumerate(decodes) if d.revision == revision]
+            if same:
+                di = same[self._decode_pick(self, [decodes[i] for i in same], need)]
         n_seqs, n_toks, cap = self._state(decodes[di], arrive_ms)
         fits = not cap or n_toks + need <= cap
         tbt = step(n_seqs + 1, n_toks + need)
         clears = self.ledger.next_finish(decodes[di].slot) - arrive_ms
         return di, tbt, fits, max(0.0, clears)
+
+
+def paired(revision: str, decodes: Sequence[DecodeView]) -> bool:
+    """Whether a prefill instance of `revision` can be paired: some decode instance runs the
+    same revision (during a rollout, a request never mixes two; another revision may be
+    another model). Stops at the first match: O(1) outside rollouts."""
+    return any(d.revision == revision for d in decodes)
 
 
 _COSTS_MEMO = 4096

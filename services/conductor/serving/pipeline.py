@@ -28,7 +28,6 @@ import grpc
 from mooncake_k8s.common import tracing
 from mooncake_k8s.common.rpc import serving_pb2 as pb
 from mooncake_k8s.conductor.metrics import ConductorMetrics
-from mooncake_k8s.conductor.sched.admission import Overloaded
 from mooncake_k8s.conductor.serving.errors import (
     DecodeFailed,
     NoCapacity,
@@ -46,7 +45,7 @@ from mooncake_k8s.conductor.serving.resume import (
     resumed_sampling,
     with_seed,
 )
-from mooncake_k8s.conductor.serving.router import Route, Router, RouteRequest, pick_decode
+from mooncake_k8s.conductor.serving.router import Route, Router, RouteRequest, with_pairing
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +169,8 @@ class Pipeline:
                 return
             try:
                 async with contextlib.aclosing(self._decode(gen, route, resp.first_token,
-                                                            resp.tail_key)) as chunks:
+                                                            resp.tail_key,
+                                                            route.plan)) as chunks:
                     async for chunk in chunks:
                         yield self._next(chunk, out)
                 return
@@ -192,8 +192,9 @@ class Pipeline:
                     raise self._resume_failed(lost, f"no {role} instance of revision "
                                                     f"{lost.revision!r} is left to resume "
                                                     f"the stream on")
+        # A resume is never shed: the client is already reading the stream.
         req = RouteRequest(gen.request_id, gen.token_ids, gen.tenant, gen.sampling.max_tokens,
-                           gen.use_prefix_cache, gen.priority)
+                           gen.use_prefix_cache, gen.priority, shed=lost is None)
         try:
             return await self.router.route(req, prefills, decodes)
         except NoCapacity as e:
@@ -201,14 +202,6 @@ class Pipeline:
                 raise self._resume_failed(lost, str(e)) from e
             why = f"{e} (last failure: {last_error})" if attempt else str(e)
             raise NoCapacity(why) from e
-        except Overloaded:
-            if lost is None:
-                raise
-            # A stream already under way is never shed: it goes to the least loaded pair,
-            # and the prefill worker looks its prefix up in the pool itself.
-            prefill = min(prefills, key=lambda p: (p.inflight_tokens, p.address))
-            need = len(gen.token_ids) + gen.sampling.max_tokens
-            return Route(prefill, pick_decode(decodes, prefill, need), 0)
 
     def _first(self, resp: pb.PrefillResponse, out: Outcome,
                lost: DecodeLost | None) -> Delta:
@@ -252,15 +245,13 @@ class Pipeline:
         """One attempt with paired handoff (SGLang PD): decode must be waiting for the KV
         while prefill computes it, so both calls start together, meeting in a fresh room.
         Raises _Retry when the attempt failed before the client saw anything."""
-        room = random.getrandbits(63) or 1
-        plan = route.plan()
-        plan.bootstrap_addr, plan.bootstrap_room = addr, room
+        plan = with_pairing(route.plan, addr, random.getrandbits(63) or 1)
         chunks: asyncio.Queue[pb.DecodeChunk | BaseException | None] = asyncio.Queue()
 
         async def pump() -> None:
             try:
                 async with contextlib.aclosing(self._decode(gen, route, 0, "",
-                                                            (addr, room))) as stream:
+                                                            plan)) as stream:
                     async for chunk in stream:
                         await chunks.put(chunk)
                 await chunks.put(None)
@@ -301,6 +292,7 @@ class Pipeline:
 
     async def _prefill(self, gen: Generation, route: Route, attempt: int,
                        plan: pb.KVPlan | None = None) -> pb.PrefillResponse:
+        """One prefill call with `plan` (the route's own unless paired handoff made a copy)."""
         inst = route.prefill
         n = len(gen.token_ids)
         inst.inflight += 1
@@ -310,7 +302,7 @@ class Pipeline:
                 req = pb.PrefillRequest(
                     request_id=f"{gen.request_id}-{attempt}", token_ids=gen.token_ids,
                     tenant=gen.tenant, sampling=gen.sampling,
-                    plan=plan if plan is not None else route.plan(),
+                    plan=route.plan if plan is None else plan,
                     use_prefix_cache=gen.use_prefix_cache, trace_context=tracing.inject(),
                 )
                 resp: pb.PrefillResponse = await inst.call("Prefill")(
@@ -321,7 +313,8 @@ class Pipeline:
             inst.inflight_tokens -= n
 
     async def _decode(self, gen: Generation, route: Route, first_token: int, tail_key: str,
-                      pair: tuple[str, int] = ("", 0)) -> AsyncGenerator[pb.DecodeChunk, None]:
+                      plan: pb.KVPlan) -> AsyncGenerator[pb.DecodeChunk, None]:
+        """The decode stream, with the same plan the prefill call carried."""
         inst = route.decode
         inst.inflight += 1
         try:
@@ -329,8 +322,7 @@ class Pipeline:
                 req = pb.DecodeRequest(
                     request_id=gen.request_id, token_ids=gen.token_ids, tenant=gen.tenant,
                     first_token=first_token, sampling=gen.sampling, tail_key=tail_key,
-                    trace_context=tracing.inject(), block_keys=route.keys,
-                    namespace=route.namespace, bootstrap_addr=pair[0], bootstrap_room=pair[1],
+                    trace_context=tracing.inject(), plan=plan,
                 )
                 call = inst.call("Decode", stream=True)(req, metadata=self.decodes.metadata)
                 try:

@@ -1,10 +1,11 @@
 """The live router: the scheduler's decision over the instance pools, as a typed plan.
 
 `MooncakeRouter` builds the scheduler's views (`sched.scheduler.PrefillView`, `DecodeView`)
-from the instances' load reports, computes the prompt's block keys once in the workers'
-namespace, asks `Scheduler.decide` (pure, no I/O) and returns a `Route`, whose `plan()` is the
-`KVPlan` the prefill worker receives. It is the one place where the scheduler meets I/O: the
-store (pinning hot prefixes) and the Conductor's metrics.
+from the instances' load reports (revision included), computes the prompt's block keys once in
+the workers' namespace, asks `Scheduler.decide` (pure, no I/O; the one place the pair is
+chosen) and returns a `Route`: the pair and the `KVPlan` message that prefill and decode both
+receive as it is. It is the one place where the scheduler meets I/O: the store (pinning hot
+prefixes) and the Conductor's metrics.
 """
 
 from __future__ import annotations
@@ -16,17 +17,25 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from mooncake_k8s.common.blocks import KeyNamespace, block_keys
 from mooncake_k8s.common.rpc import serving_pb2 as pb
 from mooncake_k8s.conductor.metrics import ConductorMetrics
 from mooncake_k8s.conductor.sched.admission import Overloaded
 from mooncake_k8s.conductor.sched.blocktable import BlockKeys
-from mooncake_k8s.conductor.sched.scheduler import DecodeView, Demand, PrefillView, Scheduler
+from mooncake_k8s.conductor.sched.scheduler import (
+    DecodeView,
+    Demand,
+    PrefillView,
+    Scheduler,
+    paired,
+)
 from mooncake_k8s.conductor.serving.errors import NoCapacity
 from mooncake_k8s.conductor.serving.instances import Instance
-from mooncake_k8s.store.client import StoreClient
+
+if TYPE_CHECKING:
+    from mooncake_k8s.store.client import StoreClient
 
 log = logging.getLogger(__name__)
 
@@ -40,28 +49,29 @@ class RouteRequest:
     use_prefix_cache: bool = True
     priority: str = "interactive"
     """Request class for early rejection (`interactive` is shed last)."""
+    shed: bool = True
+    """False for a resumed stream: the client is already reading it, so it is never refused
+    (`Scheduler.decide(shed=False)`)."""
 
 
 @dataclass(frozen=True)
 class Route:
+    """The decision for one attempt: the pair and the plan both workers receive unchanged."""
+
     prefill: Instance
     decode: Instance
-    cached_blocks: int
-    """Leading blocks the store holds for this prompt when the route was chosen."""
-    keys: tuple[str, ...] = ()
-    """The prompt's full-block keys in the prefill engine's namespace (computed once, here)."""
-    namespace: str = ""
-    """Hex digest of that namespace; workers in another one recompute instead of trusting."""
-    local_blocks: int = 0
-    """Of `cached_blocks`, those the prefill instance holds itself (the rest it fetches)."""
+    plan: pb.KVPlan
+    """The `KVPlan` message, made once here; `Pipeline` sends it as it is to prefill and to
+    decode (paired handoff adds the meeting point to a copy, `with_pairing`)."""
 
-    def plan(self) -> pb.KVPlan:
-        """The decision as the prefill worker receives it."""
-        seg = self.decode.report.local_segment if self.decode.report else ""
-        local = min(self.local_blocks, self.cached_blocks)
-        return pb.KVPlan(block_keys=self.keys, namespace=self.namespace, local_blocks=local,
-                         fetch_blocks=self.cached_blocks - local, write_segment=seg,
-                         planned=bool(self.namespace))
+
+def with_pairing(plan: pb.KVPlan, addr: str, room: int) -> pb.KVPlan:
+    """A copy of `plan` naming the paired handoff's meeting point (SGLang PD): one room per
+    attempt, so the route's own plan is never changed."""
+    out = pb.KVPlan()
+    out.CopyFrom(plan)
+    out.bootstrap_addr, out.bootstrap_room = addr, room
+    return out
 
 
 class Router(Protocol):
@@ -77,19 +87,6 @@ def namespace_of(inst: Instance, tenant: str) -> KeyNamespace:
     return KeyNamespace(model_fingerprint=r.model_fingerprint, dtype=r.dtype,
                         block_tokens=r.block_tokens, tenant_salt=tenant,
                         kv_layout=r.kv_layout)
-
-
-def pick_decode(decodes: Sequence[Instance], prefill: Instance, need_tokens: int) -> Instance:
-    rev = prefill.report.revision if prefill.report else ""
-    same = [d for d in decodes if d.report and d.report.revision == rev] or list(decodes)
-
-    def key(d: Instance) -> tuple[bool, int, str]:
-        r = d.report
-        assert r is not None
-        no_room = r.kv_capacity_tokens > 0 and r.kv_free_tokens < need_tokens
-        return no_room, r.running + d.inflight, d.address
-
-    return min(same, key=key)
 
 
 class MooncakeRouter:
@@ -126,7 +123,8 @@ class MooncakeRouter:
         queued = max(r.queued_tokens if r else 0, inst.inflight_tokens)
         jobs = max(r.queued_requests if r else 0, inst.inflight)
         mask = self.index.mask([r.local_segment]) if r and r.local_segment else 0
-        return PrefillView(self._slot(inst), pf.base_ms * jobs + pf.per_token_ms * queued, mask)
+        return PrefillView(self._slot(inst), pf.base_ms * jobs + pf.per_token_ms * queued, mask,
+                           r.revision if r else "")
 
     def _decode_view(self, inst: Instance) -> DecodeView:
         r = inst.report
@@ -134,7 +132,7 @@ class MooncakeRouter:
             return DecodeView(self._slot(inst), inst.inflight)
         used = max(0, r.kv_capacity_tokens - r.kv_free_tokens)
         return DecodeView(self._slot(inst), max(r.running, inst.inflight), used,
-                          r.kv_capacity_tokens)
+                          r.kv_capacity_tokens, r.revision)
 
     async def route(self, req: RouteRequest, prefills: Sequence[Instance],
                     decodes: Sequence[Instance]) -> Route:
@@ -142,37 +140,35 @@ class MooncakeRouter:
             raise NoCapacity("no prefill instance is ready")
         if not decodes:
             raise NoCapacity("no decode instance is ready")
-        # During a rollout, only pair instances of one revision.
-        revs = {d.report.revision for d in decodes if d.report}
-        prefills = [p for p in prefills if p.report and p.report.revision in revs] or prefills
-        first = prefills[0].report
-        assert first is not None
-        self.scheduler.block_tokens = first.block_tokens or self.scheduler.block_tokens
-        ns = namespace_of(prefills[0], req.tenant)
-        # Once per request: they travel in the plan. Decoded for the index here too, with the
-        # hashing (BlockKeys), so the decision starts from integers.
+        pviews = [self._prefill_view(p) for p in prefills]
+        dviews = [self._decode_view(d) for d in decodes]
+        # The keys are in the namespace of a prefill instance the scheduler can pair (during
+        # a rollout another revision may be another model); they travel in the plan.
+        keyed = next((p for p, v in zip(prefills, pviews, strict=True)
+                      if paired(v.revision, dviews)), prefills[0])
+        assert keyed.report is not None
+        ns = namespace_of(keyed, req.tenant)
+        # Once per request, decoded for the index here too, with the hashing (BlockKeys), so
+        # the decision starts from integers.
         keys = BlockKeys(block_keys(ns, req.token_ids))
         demand = Demand(keys if req.use_prefix_cache else [], len(req.token_ids),
-                        max(1, req.max_tokens),
-                        getattr(req, "priority", "interactive"))
-        dec = self.scheduler.decide(demand, [self._prefill_view(p) for p in prefills],
-                                    [self._decode_view(d) for d in decodes],
-                                    time.monotonic() * 1000.0)
+                        max(1, req.max_tokens), req.priority, keyed.report.block_tokens)
+        dec = self.scheduler.decide(demand, pviews, dviews, time.monotonic() * 1000.0,
+                                    shed=req.shed)
         if self.metrics is not None and math.isfinite(dec.verdict.headroom_ms):
             self.metrics.ttft_headroom.set(dec.verdict.headroom_ms)
         if not dec.admitted:
             if self.metrics is not None:
                 self.metrics.rejections.labels(f"slo_{dec.verdict.reason}").inc()
             raise Overloaded(dec.verdict, demand.priority)
-        prefill = prefills[dec.prefill]
-        decode = decodes[dec.decode]
-        if (prefill.report and decode.report
-                and decode.report.revision != prefill.report.revision):
-            decode = pick_decode(decodes, prefill, len(req.token_ids) + req.max_tokens)
         if dec.replicate and dec.fetch_blocks:
             self._pin(list(keys[: dec.local_blocks + dec.fetch_blocks]))
-        return Route(prefill, decode, dec.local_blocks + dec.fetch_blocks, tuple(keys),
-                     ns.digest().hex(), dec.local_blocks)
+        decode = decodes[dec.decode]
+        seg = decode.report.local_segment if decode.report else ""
+        plan = pb.KVPlan(block_keys=keys, namespace=ns.digest().hex(),
+                         local_blocks=dec.local_blocks, fetch_blocks=dec.fetch_blocks,
+                         write_segment=seg, planned=True)
+        return Route(prefills[dec.prefill], decode, plan)
 
     def _pin(self, keys: list[str]) -> None:
         if self.store is None or not keys or keys[-1] in self._pinned:
