@@ -25,6 +25,8 @@ from mooncake_k8s.common import tracing
 from mooncake_k8s.common.errors import InvalidArgument, StoreError
 from mooncake_k8s.common.metrics import LATENCY_BUCKETS
 from mooncake_k8s.common.rpc import serving_pb2 as pb
+from mooncake_k8s.common.rpc import serving_pb2_grpc as pb_grpc
+from mooncake_k8s.common.serving_rpc import servicer_handler
 from mooncake_k8s.engine.api import DecodeWork, EngineFailed, KVMissing, resolve_plan
 from mooncake_k8s.worker.base import DecodeWorker, WorkerConfig, run_worker
 
@@ -33,7 +35,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SERVICE = "mooncake.serving.v1.Decode"
+
+class _Servicer(pb_grpc.DecodeServicer):
+    """The generated `Decode` service (`proto/serving.proto`), answered by the worker."""
+
+    def __init__(self, service: DecodeService) -> None:
+        self._service = service
+
+    def Decode(self, request: pb.DecodeRequest,
+               context: grpc.ServicerContext) -> Iterator[pb.DecodeChunk]:
+        return self._service.decode(request, context)
+
+    def Load(self, request: pb.LoadRequest,
+             context: grpc.ServicerContext) -> pb.LoadReport:
+        return self._service.report()
 
 
 class DecodeService(DecodeWorker):
@@ -85,12 +100,7 @@ class DecodeService(DecodeWorker):
         return reason
 
     def handlers(self) -> grpc.GenericRpcHandler:  # type: ignore[type-arg]
-        return grpc.method_handlers_generic_handler(SERVICE, {
-            "Decode": grpc.unary_stream_rpc_method_handler(
-                self.decode, request_deserializer=pb.DecodeRequest.FromString,
-                response_serializer=pb.DecodeChunk.SerializeToString),
-            "Load": self.load_handler(self.report),
-        })
+        return servicer_handler(pb_grpc.add_DecodeServicer_to_server, _Servicer(self))
 
     def report(self) -> pb.LoadReport:
         rep = self.load_report()

@@ -27,12 +27,27 @@ from mooncake_k8s.common import tracing
 from mooncake_k8s.common.errors import InvalidArgument, MooncakeError, StoreError
 from mooncake_k8s.common.metrics import LATENCY_BUCKETS
 from mooncake_k8s.common.rpc import serving_pb2 as pb
+from mooncake_k8s.common.rpc import serving_pb2_grpc as pb_grpc
+from mooncake_k8s.common.serving_rpc import servicer_handler
 from mooncake_k8s.engine.api import EngineFailed, PrefillWork, resolve_plan
 from mooncake_k8s.worker.base import PrefillWorker, WorkerConfig, run_worker
 
 log = logging.getLogger(__name__)
 
-SERVICE = "mooncake.serving.v1.Prefill"
+
+class _Servicer(pb_grpc.PrefillServicer):
+    """The generated `Prefill` service (`proto/serving.proto`), answered by the worker."""
+
+    def __init__(self, service: PrefillService) -> None:
+        self._service = service
+
+    def Prefill(self, request: pb.PrefillRequest,
+                context: grpc.ServicerContext) -> pb.PrefillResponse:
+        return self._service.prefill(request, context)
+
+    def Load(self, request: pb.LoadRequest,
+             context: grpc.ServicerContext) -> pb.LoadReport:
+        return self._service.report()
 
 
 @dataclass
@@ -73,12 +88,7 @@ class PrefillService(PrefillWorker):
         threading.Thread(target=self._run, name="prefill-engine", daemon=True).start()
 
     def handlers(self) -> grpc.GenericRpcHandler:  # type: ignore[type-arg]
-        return grpc.method_handlers_generic_handler(SERVICE, {
-            "Prefill": grpc.unary_unary_rpc_method_handler(
-                self.prefill, request_deserializer=pb.PrefillRequest.FromString,
-                response_serializer=pb.PrefillResponse.SerializeToString),
-            "Load": self.load_handler(self.report),
-        })
+        return servicer_handler(pb_grpc.add_PrefillServicer_to_server, _Servicer(self))
 
     def report(self) -> pb.LoadReport:
         rep = self.load_report()

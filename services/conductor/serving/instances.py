@@ -14,12 +14,12 @@ import contextlib
 import logging
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from mooncake_k8s.common import auth
+from mooncake_k8s.common import auth, serving_rpc
 from mooncake_k8s.common.rpc import serving_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -38,21 +38,15 @@ class Instance:
     last_error: str = ""
     inflight: int = 0
     inflight_tokens: int = 0
-    _calls: dict[str, Any] = field(default_factory=dict)
+    _stub: Any = None
 
-    def call(self, method: str, *, stream: bool = False) -> Any:
-        """A cached callable for /mooncake.serving.v1.<Role>/<method>."""
-        fn = self._calls.get(method)
-        if fn is None:
-            service = "Prefill" if self.role == "prefill" else "Decode"
-            path = f"/mooncake.serving.v1.{service}/{method}"
-            resp: Any = {"Prefill": pb.PrefillResponse, "Load": pb.LoadReport,
-                         "Decode": pb.DecodeChunk}[method]
-            make = self.channel.unary_stream if stream else self.channel.unary_unary
-            fn = make(path, request_serializer=lambda m: m.SerializeToString(),
-                      response_deserializer=resp.FromString)
-            self._calls[method] = fn
-        return fn
+    @property
+    def stub(self) -> Any:
+        """The generated client stub of this instance's role (`common.serving_rpc.stub`):
+        `inst.stub.Prefill`, `.Decode`, `.Load`. Made once, on first use."""
+        if self._stub is None:
+            self._stub = serving_rpc.stub(self.role, self.channel)
+        return self._stub
 
     @property
     def usable(self) -> bool:
@@ -149,8 +143,8 @@ class InstancePool:
 
     async def _poll(self, inst: Instance) -> None:
         try:
-            rep = await inst.call("Load")(pb.LoadRequest(), metadata=self._md,
-                                         timeout=self._timeout)
+            rep = await inst.stub.Load(pb.LoadRequest(), metadata=self._md,
+                                       timeout=self._timeout)
         except grpc.aio.AioRpcError as e:
             if inst.healthy or not inst.last_error:
                 self.mark_failed(inst, f"{e.code().name}: {e.details()}")

@@ -305,7 +305,7 @@ class Pipeline:
                     plan=route.plan if plan is None else plan,
                     use_prefix_cache=gen.use_prefix_cache, trace_context=tracing.inject(),
                 )
-                resp: pb.PrefillResponse = await inst.call("Prefill")(
+                resp: pb.PrefillResponse = await inst.stub.Prefill(
                     req, metadata=self.prefills.metadata, timeout=self.prefill_timeout_s)
                 return resp
         finally:
@@ -324,7 +324,7 @@ class Pipeline:
                     first_token=first_token, sampling=gen.sampling, tail_key=tail_key,
                     trace_context=tracing.inject(), plan=plan,
                 )
-                call = inst.call("Decode", stream=True)(req, metadata=self.decodes.metadata)
+                call = inst.stub.Decode(req, metadata=self.decodes.metadata)
                 try:
                     async for chunk in call:
                         yield chunk
