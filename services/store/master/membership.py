@@ -1,35 +1,35 @@
 """Storage nodes as the master sees them: registration, restarts, loss, command streams.
 
-A mixin of `metadata.MasterState`, kept apart because node membership is a concern of its own:
+A part of `state.MasterState`, kept apart because node membership is a concern of its own:
 a node (re-)registers with its segments and inventory (`register_node`), may come back as a new
-process under the same id (`_reconcile_restart`), may go silent (`_drop_node`), and receives
+process under the same id (`_reconcile_restart`), may go silent (`drop_node`), and receives
 the master's commands over a stream (`open_command_stream` / `next_commands`) whose copies it
-reports back (`command_done`). It runs under the state's lock like everything else there.
+reports back (`command_done`, finished by `tiering`). A node that leaves or restarts takes its
+puts, space leases and copies with it: the parts that own them are told (`cancel_on`,
+`cancel_copies`). It runs under the state's lock like everything else there.
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import logging
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from mooncake_k8s.common.errors import InvalidArgument
 from mooncake_k8s.common.rpc import store_pb2 as pb
+from mooncake_k8s.store.master.catalog import Catalog
+from mooncake_k8s.store.master.puts import ClassicPuts
 from mooncake_k8s.store.master.records import (
     DRAM,
     SSD,
-    Copy,
     Node,
     Obj,
-    Pending,
     Rep,
     Segment,
     check_key,
 )
+from mooncake_k8s.store.master.spaces import SpaceLeases
+from mooncake_k8s.store.master.tiering import TierPolicy
 
 log = logging.getLogger(__name__)
 
@@ -49,42 +49,14 @@ class Registration(NamedTuple):
 class NodeMembership:
     """Node registration, restarts, loss and command streams; see the module docstring."""
 
-    # Provided by MasterState.
-    master_id: str
-    spills: int
-    promotions: int
-    evictions: int
-    _nodes: dict[str, Node]
-    _segments: dict[str, Segment]
-    _objects: dict[str, Obj]
-    _pending: OrderedDict[int, Pending]
-    _pending_keys: dict[str, int]
-    _copies: dict[int, Copy]
-    _ids: itertools.count[int]
-    _lock: threading.Lock
-    _cond: threading.Condition
-    _closed: bool
-    _now: Callable[[], float]
-    _cancel_spaces: Callable[[Node], None]  # SpaceLeases (after this class in the MRO)
-
-    def _op(self) -> contextlib.AbstractContextManager[None]:
-        raise NotImplementedError
-
-    def _emit(self, kind: int, key: str, size: int, seg: Segment) -> None:
-        raise NotImplementedError
-
-    def _command(self, node: Node, kind: int, key: str, seg: Segment, offset: int, size: int,
-                 checksum: int = 0, src: Rep | None = None) -> int:
-        raise NotImplementedError
-
-    def _free_rep(self, obj: Obj, rep: Rep, committed: bool = True) -> None:
-        raise NotImplementedError
-
-    def _drop_rep(self, obj: Obj, rep: Rep, kind: int) -> None:
-        raise NotImplementedError
-
-    def _end_pending(self, put: Pending, free: bool = True) -> None:
-        raise NotImplementedError
+    def __init__(self, catalog: Catalog, tiers: TierPolicy, puts: ClassicPuts,
+                 spaces: SpaceLeases, *, master_id: str, node_timeout_s: float) -> None:
+        self._cat = catalog
+        self._tiers = tiers
+        self._puts = puts
+        self._spaces = spaces
+        self.master_id = master_id
+        self.node_timeout_s = node_timeout_s
 
     # -- nodes -----------------------------------------------------------------------------
 
@@ -112,70 +84,77 @@ class NodeMembership:
         restored like inventory, unless the node reports something at their location, and sent
         to the node as COMMITTED.
         """
-        if not node_id:
-            raise InvalidArgument("node_id is empty")
-        if not address:
-            raise InvalidArgument("address is empty")
-        if not segments:
-            raise InvalidArgument("a node must register at least one segment")
-        names = set()
-        for s in segments:
-            if not s.name:
-                raise InvalidArgument("segment name is empty")
-            if s.name in names:
-                raise InvalidArgument(f"segment {s.name!r} listed twice")
-            names.add(s.name)
-            if s.size < 1:
-                raise InvalidArgument(f"segment {s.name!r} has size 0")
-            if s.tier not in (DRAM, SSD):
-                raise InvalidArgument(f"segment {s.name!r} has no tier (DRAM or SSD)")
-        with self._op():
-            for s in segments:
-                owner = self._segments.get(s.name)
-                if owner is not None and owner.node.node_id != node_id:
-                    raise InvalidArgument(
-                        f"segment {s.name!r} is already registered by node {owner.node.node_id!r}"
-                    )
-            now = self._now()
-            old = self._nodes.get(node_id)
+        _check_registration(node_id, address, segments)
+        with self._cat.op():
+            self._check_owners(node_id, segments)
+            old = self._cat.nodes.get(node_id)
             sig = [(s.name, s.tier, s.size, s.path) for s in segments]
             dropped = 0
             if old is not None and [(s.name, s.tier, s.size, s.path) for s in old.segments] == sig:
                 node = old
-                node.last_seen = now
-                if incarnation and node.incarnation and incarnation != node.incarnation:
-                    dropped = self._reconcile_restart(node, inventory)
-                node.incarnation = incarnation or node.incarnation
-                if (node.address, node.host_id) != (address, host_id):
-                    node.address, node.host_id = address, host_id
-                    for seg in node.segments:
-                        seg.refresh()
-                        for obj in seg.live():
-                            if not isinstance(obj.at, Segment):  # its answer names the node
-                                obj.set_reps(obj.reps)
+                dropped = self._rejoin(node, address, host_id, inventory, incarnation)
             else:
                 if old is not None:
-                    self._drop_node(old, "re-registered with different segments")
-                node = Node(node_id, address, host_id, now, incarnation)
-                for s in segments:
-                    seg = Segment(node, s)
-                    node.segments.append(seg)
-                    self._segments[seg.name] = seg
-                self._nodes[node_id] = node
-            restored = sum(self._restore(node, item) for item in inventory)
-            held = {(it.segment, it.offset) for it in inventory}
-            for item in journal:
-                if (item.segment, item.offset) in held or not self._restore(node, item):
-                    continue
-                restored += 1
-                self._command(node, _CMD.COMMITTED, item.key, self._segments[item.segment],
-                              item.offset, item.size, item.checksum)
+                    self.drop_node(old, "re-registered with different segments")
+                node = self._add_node(node_id, address, host_id, segments, incarnation)
+            restored = self._restore_all(node, inventory, journal)
             log.info(
                 "node registered",
                 extra={"node_id": node_id, "address": address, "segments": len(segments),
                        "inventory": len(inventory), "restored": restored, "dropped": dropped},
             )
             return Registration(restored, dropped)
+
+    def _check_owners(self, node_id: str, segments: Sequence[pb.SegmentInfo]) -> None:
+        """Refuse a segment name another node registered."""
+        for s in segments:
+            owner = self._cat.segments.get(s.name)
+            if owner is not None and owner.node.node_id != node_id:
+                raise InvalidArgument(
+                    f"segment {s.name!r} is already registered by node {owner.node.node_id!r}"
+                )
+
+    def _rejoin(self, node: Node, address: str, host_id: str,
+                inventory: Sequence[pb.InventoryItem], incarnation: str) -> int:
+        """A known node with the same segments: reconciled when its process restarted (a new
+        incarnation); its answers renamed when its address moved. Returns replicas dropped."""
+        node.last_seen = self._cat.now()
+        dropped = 0
+        if incarnation and node.incarnation and incarnation != node.incarnation:
+            dropped = self._reconcile_restart(node, inventory)
+        node.incarnation = incarnation or node.incarnation
+        if (node.address, node.host_id) != (address, host_id):
+            node.address, node.host_id = address, host_id
+            for seg in node.segments:
+                seg.refresh()
+                for obj in seg.live():
+                    if not isinstance(obj.at, Segment):  # its answer names the node
+                        obj.set_reps(obj.reps)
+        return dropped
+
+    def _add_node(self, node_id: str, address: str, host_id: str,
+                  segments: Sequence[pb.SegmentInfo], incarnation: str) -> Node:
+        node = Node(node_id, address, host_id, self._cat.now(), incarnation)
+        for s in segments:
+            seg = Segment(node, s)
+            node.segments.append(seg)
+            self._cat.segments[seg.name] = seg
+        self._cat.nodes[node_id] = node
+        return node
+
+    def _restore_all(self, node: Node, inventory: Sequence[pb.InventoryItem],
+                     journal: Sequence[pb.InventoryItem]) -> int:
+        """Restore what the node reports, then the journaled commits it does not (sent to it
+        as COMMITTED); returns how many objects are known on it now."""
+        restored = sum(self._restore(node, item) for item in inventory)
+        held = {(it.segment, it.offset) for it in inventory}
+        for item in journal:
+            if (item.segment, item.offset) in held or not self._restore(node, item):
+                continue
+            restored += 1
+            self._cat.command(node, _CMD.COMMITTED, item.key, self._cat.segments[item.segment],
+                              item.offset, item.size, item.checksum)
+        return restored
 
     def _reconcile_restart(self, node: Node, inventory: Sequence[pb.InventoryItem]) -> int:
         """The node's process restarted (same id and segments, new incarnation).
@@ -188,44 +167,32 @@ class NodeMembership:
         old process are discarded and its command stream is ended.
         """
         held = {(it.key, it.segment, it.offset, it.size, it.checksum) for it in inventory}
-        for cp in [c for c in self._copies.values() if c.node is node]:
-            del self._copies[cp.cmd_id]
-            self._cancel_copy(cp)
-        self._cancel_spaces(node)
-        for put in [p for p in self._pending.values() if any(r.seg.node is node for r in p.reps)]:
-            log.info("put cancelled: its node restarted",
-                     extra={"key": put.key, "put_id": put.put_id, "node_id": node.node_id})
-            self._end_pending(put)
+        self._tiers.cancel_copies(node)
+        self._spaces.cancel_on(node)
+        self._puts.cancel_on(node, "put cancelled: its node restarted")
         dropped = 0
         for seg in node.segments:
             for obj in seg.live():
                 rep = obj.rep_on(seg)
                 if (obj.key, seg.name, rep.offset, obj.size, obj.checksum) not in held:
-                    self._drop_rep(obj, rep, _EV.EVICTED)
+                    self._cat.drop_rep(obj, rep, _EV.EVICTED)
                     dropped += 1
         node.commands.clear()
         node.stream += 1
-        self._wake(node)
+        self._cat.wake(node)
         log.warning(
             "node restarted: replicas it no longer holds dropped",
             extra={"node_id": node.node_id, "replicas": dropped, "inventory": len(inventory)},
         )
         return dropped
 
-    def _cancel_copy(self, cp: Copy) -> None:
-        """Forget a copy without touching its source replica; the destination is freed."""
-        cp.obj.copying = False
-        if cp.kind == "spill":
-            cp.src.seg.spilling -= cp.src.seg.alloc.rounded(cp.obj.size)
-        self._free_rep(cp.obj, cp.dst, committed=False)
-
     def _restore(self, node: Node, item: pb.InventoryItem) -> int:
-        seg = self._segments.get(item.segment)
+        seg = self._cat.segments.get(item.segment)
         reason = ""
         if seg is None or seg.node is not node:
             reason = "unknown segment"
         else:
-            existing = self._objects.get(item.key)
+            existing = self._cat.objects.get(item.key)
             if existing is not None and any(
                 r.seg is seg and r.offset == item.offset for r in existing.reps
             ):
@@ -236,7 +203,7 @@ class NodeMembership:
                 reason = str(e)
             if not reason and item.size < 1:
                 reason = "empty object"
-            elif not reason and item.key in self._pending_keys:
+            elif not reason and self._puts.claimed(item.key):
                 reason = "a put of this key is in progress"
             elif not reason and existing is not None and (
                 existing.size != item.size or existing.checksum != item.checksum
@@ -255,11 +222,11 @@ class NodeMembership:
                 rep = Rep(seg, item.offset)
                 if existing is None:
                     existing = Obj(item.key, item.size, item.checksum, [rep])
-                    self._objects[item.key] = existing
+                    self._cat.objects[item.key] = existing
                 else:
                     existing.set_reps([*existing.reps, rep])
                 seg.enqueue(existing)
-                self._emit(_EV.STORED, item.key, item.size, seg)
+                self._cat.emit(_EV.STORED, item.key, item.size, seg)
                 return 1
         log.warning(
             "inventory item rejected",
@@ -267,43 +234,38 @@ class NodeMembership:
                    "offset": item.offset, "reason": reason},
         )
         node.commands.append(
-            _CMD(id=next(self._ids), kind=_CMD.FREED, key=item.key, segment=item.segment,
+            _CMD(id=self._cat.new_id(), kind=_CMD.FREED, key=item.key, segment=item.segment,
                  offset=item.offset, size=item.size)
         )
-        self._wake(node)
+        self._cat.wake(node)
         return 0
 
     def heartbeat(self, node_id: str) -> bool:
         """Record a heartbeat; False when the node is unknown (it must register again)."""
-        with self._lock:
-            node = self._nodes.get(node_id)
+        with self._cat.lock:
+            node = self._cat.nodes.get(node_id)
             if node is None:
                 return False
-            node.last_seen = self._now()
+            node.last_seen = self._cat.now()
             return True
 
-    def _drop_node(self, node: Node, reason: str) -> None:
+    def drop_node(self, node: Node, reason: str) -> None:
         node.alive = False
-        if self._nodes.get(node.node_id) is node:
-            del self._nodes[node.node_id]
+        if self._cat.nodes.get(node.node_id) is node:
+            del self._cat.nodes[node.node_id]
         dropped = 0
         for seg in node.segments:
             seg.alive = False
-            if self._segments.get(seg.name) is seg:
-                del self._segments[seg.name]
+            if self._cat.segments.get(seg.name) is seg:
+                del self._cat.segments[seg.name]
             for obj in seg.live():
-                self._drop_rep(obj, obj.rep_on(seg), _EV.EVICTED)
+                self._cat.drop_rep(obj, obj.rep_on(seg), _EV.EVICTED)
                 dropped += 1
-        for put in list(self._pending.values()):
-            if any(r.seg.node is node for r in put.reps):
-                self._end_pending(put)
-        self._cancel_spaces(node)
-        for cp in list(self._copies.values()):
-            if cp.node is node:
-                del self._copies[cp.cmd_id]
-                cp.obj.copying = False
+        self._puts.cancel_on(node)
+        self._spaces.cancel_on(node)
+        self._tiers.forget_copies(node)
         node.commands.clear()
-        self._wake(node)
+        self._cat.wake(node)
         log.warning(
             "node dropped", extra={"node_id": node.node_id, "reason": reason, "replicas": dropped}
         )
@@ -319,30 +281,25 @@ class NodeMembership:
         `waker` (for streams served without a blocked thread) is called, under the state lock,
         whenever the stream has something to do: commands queued, or the stream must end.
         """
-        with self._lock:
-            if self._closed or (master_id and master_id != self.master_id):
+        with self._cat.lock:
+            if self._cat.closed or (master_id and master_id != self.master_id):
                 return None
-            node = self._nodes.get(node_id)
+            node = self._cat.nodes.get(node_id)
             if node is None:
                 return None
             node.stream += 1
-            self._wake(node)  # the older stream, if any, ends
+            self._cat.wake(node)  # the older stream, if any, ends
             node.waker = waker
             return node.stream
-
-    def _wake(self, node: Node) -> None:
-        self._cond.notify_all()
-        if node.waker is not None:
-            node.waker()
 
     def next_commands(
         self, node_id: str, stream: int, timeout: float
     ) -> list[pb.NodeCommand] | None:
         """Commands for the node (empty after `timeout`), or None when the stream must end."""
-        with self._cond:
+        with self._cat.cond:
             for attempt in (0, 1):
-                node = self._nodes.get(node_id)
-                if self._closed or node is None or node.stream != stream:
+                node = self._cat.nodes.get(node_id)
+                if self._cat.closed or node is None or node.stream != stream:
                     return None
                 if node.commands:
                     out = list(node.commands)
@@ -351,52 +308,37 @@ class NodeMembership:
                 if attempt == 0:
                     if timeout <= 0:
                         break
-                    self._cond.wait(timeout)
+                    self._cat.cond.wait(timeout)
             return []
 
     def command_done(self, node_id: str, cmd_id: int, ok: bool, error: str = "") -> bool:
         """A node finished a COPY; False when the command is unknown (expired, node replaced)."""
-        with self._op():
-            cp = self._copies.get(cmd_id)
-            if cp is None or cp.node.node_id != node_id:
-                return False
-            del self._copies[cmd_id]
-            self._finish_copy(cp, ok, error)
-            return True
+        with self._cat.op():
+            return self._tiers.copy_done(node_id, cmd_id, ok, error)
 
-    def _finish_copy(self, cp: Copy, ok: bool, error: str) -> None:
-        obj = cp.obj
-        obj.copying = False
-        if cp.kind == "spill":
-            cp.src.seg.spilling -= cp.src.seg.alloc.rounded(obj.size)
-        live = (
-            not obj.hidden
-            and self._objects.get(obj.key) is obj
-            and cp.src in obj.reps
-            and cp.dst.seg.alive
-        )
-        if not ok or not live:
-            self._free_rep(obj, cp.dst, committed=False)
-            if not ok:
-                log.warning(
-                    "copy failed",
-                    extra={"kind": cp.kind, "key": obj.key, "node_id": cp.node.node_id,
-                           "error": error},
-                )
-                if cp.kind == "spill" and live and obj.leases == 0:
-                    self._drop_rep(obj, cp.src, _EV.EVICTED)
-                    self.evictions += 1
-            return
-        dst = cp.dst
-        obj.set_reps([*obj.reps, dst])
-        dst.seg.enqueue(obj)
-        self._command(dst.seg.node, _CMD.COMMITTED, obj.key, dst.seg, dst.offset, obj.size,
-                      obj.checksum)
-        if cp.kind == "spill":
-            self.spills += 1
-            self._emit(_EV.SPILLED, obj.key, obj.size, dst.seg)
-            if obj.leases == 0:
-                self._drop_rep(obj, cp.src, 0)
-        else:
-            self.promotions += 1
-            self._emit(_EV.PROMOTED, obj.key, obj.size, dst.seg)
+    def expire(self, now: float) -> None:
+        """Drop the nodes not heard from for `node_timeout_s`."""
+        for node in list(self._cat.nodes.values()):
+            if now - node.last_seen > self.node_timeout_s:
+                self.drop_node(node, f"no heartbeat for {self.node_timeout_s}s")
+
+
+def _check_registration(node_id: str, address: str, segments: Sequence[pb.SegmentInfo]) -> None:
+    """Refuse a registration that names no node, no address or no usable segments."""
+    if not node_id:
+        raise InvalidArgument("node_id is empty")
+    if not address:
+        raise InvalidArgument("address is empty")
+    if not segments:
+        raise InvalidArgument("a node must register at least one segment")
+    names = set()
+    for s in segments:
+        if not s.name:
+            raise InvalidArgument("segment name is empty")
+        if s.name in names:
+            raise InvalidArgument(f"segment {s.name!r} listed twice")
+        names.add(s.name)
+        if s.size < 1:
+            raise InvalidArgument(f"segment {s.name!r} has size 0")
+        if s.tier not in (DRAM, SSD):
+            raise InvalidArgument(f"segment {s.name!r} has no tier (DRAM or SSD)")

@@ -1,8 +1,8 @@
 """The classic two-phase put: `put_start` allocates, the writer writes, `put_end` publishes.
 
-A mixin of `metadata.MasterState` (run under its lock). Most puts now take one round trip
-through a space lease (`spaces`); this path serves puts too large for an extent, `most_free`
-placement (spread object by object), and puts whose lease was lost.
+A part of `state.MasterState` (run under its lock), owning the pending puts. Most puts now take
+one round trip through a space lease (`spaces`); this path serves puts too large for an extent,
+`most_free` placement (spread object by object), and puts whose lease was lost.
 
 Lifecycle of an object::
 
@@ -18,11 +18,9 @@ publishes, and a later one is refused as superseded (`PutSuperseded`) with its s
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from mooncake_k8s.common.errors import (
     InvalidArgument,
@@ -32,14 +30,14 @@ from mooncake_k8s.common.errors import (
     StoreError,
 )
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.store.master.records import Obj, Pending, Rep, Segment, check_key, rep_pb
+from mooncake_k8s.store.master.catalog import Catalog
+from mooncake_k8s.store.master.records import Node, Pending, check_key, rep_pb
+from mooncake_k8s.store.master.tiering import TierPolicy
 from mooncake_k8s.store.wire import code_of
 
 log = logging.getLogger(__name__)
 
 MAX_REPLICAS = 8
-_EV = pb.BlockEvent
-_CMD = pb.NodeCommand
 
 
 class PutNotFound(StoreError, LookupError):
@@ -58,23 +56,36 @@ class PutSuperseded(ObjectExists):
 CLAIM_BYTES_PER_S = 256 << 20
 
 
-class ClassicPuts:
-    """`put_start` / `put_end` / `put_revoke` and their batch forms; see the module docstring."""
+def check_put(size: int, replicas: int, placement: int, max_object_size: int) -> int:
+    """Validate a put's (or a space lease's) shape; returns the replica count (0 means 1)."""
+    if replicas == 0:
+        replicas = 1
+    if not 1 <= replicas <= MAX_REPLICAS:
+        raise InvalidArgument(f"replicas must be 1..{MAX_REPLICAS}, got {replicas}")
+    if size < 1:
+        raise InvalidArgument("size must be >= 1 (the store keeps no empty objects)")
+    if size > max_object_size:
+        raise ObjectTooLarge(
+            f"object of {size} bytes is too large: the limit is {max_object_size}"
+        )
+    if placement not in (pb.PLACEMENT_UNSPECIFIED, pb.LOCAL_FIRST, pb.PREFERRED, pb.MOST_FREE):
+        raise InvalidArgument(f"unknown placement {placement}")
+    return replicas
 
-    # Provided by MasterState (annotations only: a method here would shadow the real one in
-    # the classes after this one in MasterState's bases).
-    max_object_size: int
-    put_timeout_s: float
-    put_claim_s: float
-    _objects: dict[str, Obj]
-    _pending: OrderedDict[int, Pending]
-    _pending_keys: dict[str, int]
-    _ids: itertools.count[int]
-    _now: Callable[[], float]
-    _op: Callable[[], contextlib.AbstractContextManager[None]]
-    _place: Callable[..., list[Rep]]
-    _command: Callable[..., int]
-    _emit: Callable[[int, str, int, Segment], None]
+
+class ClassicPuts:
+    """`put_start` / `put_end` / `put_revoke` and their batch forms, and the pending puts they
+    keep; see the module docstring."""
+
+    def __init__(self, catalog: Catalog, tiers: TierPolicy, *, max_object_size: int,
+                 put_timeout_s: float, put_claim_s: float) -> None:
+        self._cat = catalog
+        self._tiers = tiers
+        self.max_object_size = max_object_size
+        self.put_timeout_s = put_timeout_s
+        self.put_claim_s = put_claim_s
+        self.pending: OrderedDict[int, Pending] = OrderedDict()  # deadline order
+        self._pending_keys: dict[str, int] = {}
 
     def put_start(
         self,
@@ -88,12 +99,12 @@ class ClassicPuts:
         """Allocate space for a new object. `exists=True` (put_id 0) when the key is already
         stored, or (with `in_progress`) another put of it holds a live claim on the key."""
         check_key(key)
-        replicas = self._check_put(size, replicas, placement)
-        with self._op():
-            if key in self._objects:
+        replicas = check_put(size, replicas, placement, self.max_object_size)
+        with self._cat.op():
+            if key in self._cat.objects:
                 return pb.PutStartResponse(exists=True)
-            now = self._now()
-            claimant = self._pending.get(self._pending_keys.get(key, 0))
+            now = self._cat.now()
+            claimant = self.pending.get(self._pending_keys.get(key, 0))
             if claimant is not None:
                 if claimant.claim_until > now:
                     return pb.PutStartResponse(exists=True, in_progress=True)
@@ -101,75 +112,49 @@ class ClassicPuts:
                     "put claim lapsed: another writer takes the key over",
                     extra={"key": key, "put_id": claimant.put_id},
                 )
-            reps = self._place(size, replicas, placement, preferred_segment, client_host_id)
-            put_id = next(self._ids)
+            reps = self._tiers.place(size, replicas, placement, preferred_segment, client_host_id)
+            put_id = self._cat.new_id()
             claim = min(self.put_timeout_s,
                         self.put_claim_s + size * replicas / CLAIM_BYTES_PER_S)
-            self._pending[put_id] = Pending(
+            self.pending[put_id] = Pending(
                 put_id, key, size, reps, now + self.put_timeout_s, now + claim
             )
             self._pending_keys[key] = put_id
             return pb.PutStartResponse(put_id=put_id, replicas=[rep_pb(r) for r in reps])
 
-    def _check_put(self, size: int, replicas: int, placement: int) -> int:
-        """Validate a put's (or a space lease's) shape; returns the replica count (0 means 1)."""
-        if replicas == 0:
-            replicas = 1
-        if not 1 <= replicas <= MAX_REPLICAS:
-            raise InvalidArgument(f"replicas must be 1..{MAX_REPLICAS}, got {replicas}")
-        if size < 1:
-            raise InvalidArgument("size must be >= 1 (the store keeps no empty objects)")
-        if size > self.max_object_size:
-            raise ObjectTooLarge(
-                f"object of {size} bytes is too large: the limit is {self.max_object_size}"
-            )
-        if placement not in (pb.PLACEMENT_UNSPECIFIED, pb.LOCAL_FIRST, pb.PREFERRED, pb.MOST_FREE):
-            raise InvalidArgument(f"unknown placement {placement}")
-        return replicas
-
     def put_end(self, key: str, put_id: int, checksum: int) -> None:
         """Publish a written object: from now on lookups see it."""
         if not 0 <= checksum < 1 << 64:  # (gRPC gives a uint64; in-process callers may not)
             raise InvalidArgument(f"checksum must be an unsigned 64-bit integer, got {checksum}")
-        with self._op():
-            put = self._pending.get(put_id)
+        with self._cat.op():
+            put = self.pending.get(put_id)
             if put is None:
                 raise PutNotFound(
                     f"put {put_id} is unknown: already ended, revoked, timed out, or its node died"
                 )
             if put.key != key:
                 raise InvalidArgument(f"put {put_id} is for another key")
-            if key in self._objects:
-                self._end_pending(put)
+            if key in self._cat.objects:
+                self.end_pending(put)
                 raise PutSuperseded(
                     f"object {key!r} was stored by another writer whose put ended first "
                     f"(the claim of put {put_id} had lapsed); nothing more to write"
                 )
-            self._end_pending(put, free=False)
-            self._publish(key, put.size, checksum, put.reps)
-
-    def _publish(self, key: str, size: int, checksum: int, reps: list[Rep]) -> None:
-        """Make a written object visible: lookups see it, its nodes and watchers hear of it."""
-        obj = Obj(key, size, checksum, reps)
-        self._objects[key] = obj
-        for rep in reps:
-            seg = rep.seg
-            seg.enqueue(obj)
-            self._command(seg.node, _CMD.COMMITTED, key, seg, rep.offset, size, checksum)
-            self._emit(_EV.STORED, key, size, seg)
+            self.end_pending(put, free=False)
+            self._cat.publish(key, put.size, checksum, put.reps)
 
     def put_revoke(self, key: str, put_id: int) -> None:
         """Abandon a put; its space is freed."""
-        with self._op():
-            put = self._pending.get(put_id)
+        with self._cat.op():
+            put = self.pending.get(put_id)
             if put is None:
                 raise PutNotFound(f"put {put_id} is unknown: already ended, revoked or timed out")
             if put.key != key:
                 raise InvalidArgument(f"put {put_id} is for another key")
-            self._end_pending(put)
+            self.end_pending(put)
 
-    def _end_pending(self, put: Pending, free: bool = True) -> None:
-        self._pending.pop(put.put_id, None)
+    def end_pending(self, put: Pending, free: bool = True) -> None:
+        self.pending.pop(put.put_id, None)
         if self._pending_keys.get(put.key) == put.put_id:
             del self._pending_keys[put.key]
         if free:
@@ -207,3 +192,27 @@ class ClassicPuts:
                 errors.append(str(e))
                 codes.append(code_of(e))
         return pb.BatchPutEndResponse(errors=errors, codes=codes)
+
+    # -- for the other parts -----------------------------------------------------------------
+
+    def claimed(self, key: str) -> bool:
+        """Whether a put of `key` is in progress (its inventory copy may not be restored)."""
+        return key in self._pending_keys
+
+    def expire(self, now: float) -> None:
+        """End puts past their deadline (they are kept in deadline order)."""
+        while self.pending:
+            put = next(iter(self.pending.values()))
+            if put.deadline > now:
+                break
+            log.info("put timed out", extra={"key": put.key, "put_id": put.put_id})
+            self.end_pending(put)
+
+    def cancel_on(self, node: Node, why: str = "") -> None:
+        """End every put writing to `node` (it died or restarted: the bytes are gone); `why`,
+        when given, is logged for each."""
+        for put in [p for p in self.pending.values() if any(r.seg.node is node for r in p.reps)]:
+            if why:
+                log.info(why, extra={"key": put.key, "put_id": put.put_id,
+                                     "node_id": node.node_id})
+            self.end_pending(put)

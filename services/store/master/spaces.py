@@ -22,23 +22,26 @@ Nothing here outlives the master process: a new leader or a restarted master kno
 (their writers get NOT_FOUND and put again), and the gaps are free space in the allocators it
 rebuilds from the nodes' inventories, which list committed objects only.
 
-The extent is allocated like any object (`_place`, under every tier's high watermark), but
-only from free room: a generous extent is not worth evicting cached objects for, so a lease
-that does not fit shrinks to `min_size` (the writer's next objects), which may evict.
+The extent is allocated like any object (`tiering.TierPolicy.place`, under every tier's high
+watermark), but only from free room: a generous extent is not worth evicting cached objects
+for, so a lease that does not fit shrinks to `min_size` (the writer's next objects), which may
+evict.
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from mooncake_k8s.common.errors import InvalidArgument, NoSpace
 from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.store.master.allocator import ALIGN, align_up
-from mooncake_k8s.store.master.records import Node, Obj, Rep, Segment, check_key, rep_pb
+from mooncake_k8s.store.master.catalog import Catalog
+from mooncake_k8s.store.master.puts import check_put
+from mooncake_k8s.store.master.records import Node, Obj, Rep, check_key, rep_pb
+from mooncake_k8s.store.master.tiering import TierPolicy
 
 log = logging.getLogger(__name__)
 
@@ -92,32 +95,16 @@ class SpaceLease:
 
 
 class SpaceLeases:
-    """Space leases over the state's segments; a mixin of `metadata.MasterState` (its lock is
-    held around every public method here, through `_op`)."""
+    """Space leases over the catalog's segments; a part of `state.MasterState` (its lock is
+    held around every public method here, through `Catalog.op`)."""
 
-    # Provided by MasterState.
-    max_object_size: int
-    _objects: dict[str, Obj]
-    _segments: dict[str, Segment]
-    _spaces: OrderedDict[int, SpaceLease]
-    _now: Callable[[], float]
-    space_ttl_s: float
-
-    def _op(self) -> contextlib.AbstractContextManager[None]:
-        raise NotImplementedError
-
-    def _check_put(self, size: int, replicas: int, placement: int) -> int:
-        raise NotImplementedError
-
-    def _place(self, size: int, n: int, placement: int, preferred: str, host_id: str,
-               evict: bool = True) -> list[Rep]:
-        raise NotImplementedError
-
-    def _publish(self, key: str, size: int, checksum: int, reps: list[Rep]) -> None:
-        raise NotImplementedError
-
-    def _new_id(self) -> int:
-        raise NotImplementedError
+    def __init__(self, catalog: Catalog, tiers: TierPolicy, *, max_object_size: int,
+                 space_ttl_s: float) -> None:
+        self._cat = catalog
+        self._tiers = tiers
+        self.max_object_size = max_object_size
+        self.space_ttl_s = space_ttl_s
+        self._spaces: OrderedDict[int, SpaceLease] = OrderedDict()  # last-use order
 
     # -- grant ---------------------------------------------------------------------------------
 
@@ -129,19 +116,19 @@ class SpaceLeases:
         min_size = min_size or size
         if min_size > size:
             raise InvalidArgument(f"min_size {min_size} is above size {size}")
-        replicas = self._check_put(min_size, replicas, placement)
-        with self._op():
-            largest = max((s.alloc.capacity for s in self._segments.values()), default=0)
+        replicas = check_put(min_size, replicas, placement, self.max_object_size)
+        with self._cat.op():
+            largest = max((s.alloc.capacity for s in self._cat.segments.values()), default=0)
             grant = max(min_size, min(size, MAX_EXTENT, largest // EXTENT_SHARE))
             try:
-                reps = self._place(grant, replicas, placement, preferred_segment,
+                reps = self._tiers.place(grant, replicas, placement, preferred_segment,
                                    client_host_id, evict=False)
             except NoSpace:
                 grant = min_size
-                reps = self._place(grant, replicas, placement, preferred_segment,
+                reps = self._tiers.place(grant, replicas, placement, preferred_segment,
                                    client_host_id)
             grant = align_up(grant)
-            lease = SpaceLease(self._new_id(), grant, reps, self._now() + self.space_ttl_s)
+            lease = SpaceLease(self._cat.new_id(), grant, reps, self._cat.now() + self.space_ttl_s)
             self._spaces[lease.lease_id] = lease
             return pb.SpaceLeaseResponse(
                 lease_id=lease.lease_id, size=grant, replicas=[rep_pb(r) for r in reps],
@@ -156,16 +143,16 @@ class SpaceLeases:
         """Publish objects written into a leased extent; an error and a code per item."""
         errors: list[str] = []
         codes: list[int] = []
-        with self._op():
+        with self._cat.op():
             lease = self._spaces.get(lease_id)
             if lease is None:
                 msg = (f"space lease {lease_id} is unknown: released, expired, its node "
                        "restarted, or the master changed; put again")
                 return pb.PutCommitResponse(errors=[msg] * len(items),
                                             codes=[pb.ERROR_NOT_FOUND] * len(items))
-            lease.deadline = self._now() + self.space_ttl_s
+            lease.deadline = self._cat.now() + self.space_ttl_s
             self._spaces.move_to_end(lease_id)
-            objects = self._objects
+            objects = self._cat.objects
             for it in items:
                 err, code = self._commit_one(lease, objects, it)
                 errors.append(err)
@@ -195,14 +182,14 @@ class SpaceLeases:
         reps = [Rep(r.seg, r.offset + off) for r in lease.reps]
         for r in reps:
             r.seg.alloc.recount(1)
-        self._publish(key, size, it.checksum, reps)
+        self._cat.publish(key, size, it.checksum, reps)
         return "", pb.ERROR_NONE
 
     # -- end -----------------------------------------------------------------------------------
 
     def space_release(self, lease_id: int) -> bool:
         """End a lease now (its unused space is freed); False if it is unknown."""
-        with self._op():
+        with self._cat.op():
             lease = self._spaces.get(lease_id)
             if lease is None:
                 return False
@@ -220,7 +207,7 @@ class SpaceLeases:
                 seg.alloc.free(rep.offset + off, length, counted=False)
             seg.alloc.recount(-1)  # the extent itself
 
-    def _expire_spaces(self, now: float) -> None:
+    def expire(self, now: float) -> None:
         """End leases not used for `space_ttl_s` (they are kept in last-use order)."""
         spaces = self._spaces
         while spaces:
@@ -230,7 +217,7 @@ class SpaceLeases:
             log.info("space lease expired", extra={"lease_id": lease.lease_id})
             self._end_space(lease)
 
-    def _cancel_spaces(self, node: Node) -> None:
+    def cancel_on(self, node: Node) -> None:
         """End every lease with an extent on `node` (it died or restarted: what was written
         there is gone, so nothing more may be committed from those extents)."""
         for lease in [sl for sl in self._spaces.values()

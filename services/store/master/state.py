@@ -5,8 +5,14 @@ threads, so every public method takes the one state lock; tests drive it directl
 clock. Messages that cross the wire (replica descriptions, node commands, block events) are
 built here as protobuf messages because that is what they are; nothing here imports grpc.
 
-Puts are `puts.ClassicPuts` (two phases, `put_start` / `put_end`) and `spaces.SpaceLeases`
-(one round trip, from a leased extent), both mixins of this class.
+The state is one class made of parts, each given what it works with at construction rather
+than sharing this class's privates: `catalog.Catalog` holds the shared records (nodes, segments,
+objects, ids, events, counters) and the primitives that change them; `tiering.TierPolicy`
+(placement, eviction, spilling, promotion and their copies), `puts.ClassicPuts` (two phases,
+`put_start` / `put_end`), `spaces.SpaceLeases` (one round trip, from a leased extent) and
+`membership.NodeMembership` (registration, restarts, loss, command streams) own their records
+and call each other through public methods. This class keeps reads, read leases, removal and
+pins, and runs the parts' periodic work (`tick`).
 
 A node that registers again with a new incarnation (a restarted process) is reconciled with
 the inventory it reports: replicas the master recorded there that the node no longer lists are
@@ -16,23 +22,17 @@ A committed object has one or more replicas (segment, offset) on distinct nodes.
 (`get_replicas`) grants a read lease; while any lease covers an object it is neither evicted nor
 freed. `remove` hides an object at once; a leased one keeps its space until the last lease ends.
 
-Node registration, restarts, loss and command streams are `membership.NodeMembership`, and
-placement, eviction, spilling to SSD and promotion back to DRAM are `tiering.TierPolicy`, both
-mixins of this class; no allocation takes any segment of any tier above its high watermark.
+No allocation takes any segment of any tier above its high watermark (`tiering`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import heapq
-import itertools
 import logging
 import secrets
-import threading
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 from mooncake_k8s.common import defaults
 from mooncake_k8s.common.errors import (
@@ -40,8 +40,9 @@ from mooncake_k8s.common.errors import (
     StoreError,
 )
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.store.master.events import EventHub, Subscription
-from mooncake_k8s.store.master.membership import NodeMembership
+from mooncake_k8s.store.master.catalog import Catalog
+from mooncake_k8s.store.master.events import Subscription
+from mooncake_k8s.store.master.membership import NodeMembership, Registration
 from mooncake_k8s.store.master.puts import (
     MAX_REPLICAS as MAX_REPLICAS,
 )
@@ -60,17 +61,13 @@ from mooncake_k8s.store.master.records import (
     MISS,
     REF,
     SLOW,
-    Copy,
     Lease,
     Lookup,
-    Node,
     Obj,
-    Pending,
-    Rep,
     Segment,
     encode_entry,
 )
-from mooncake_k8s.store.master.spaces import SPACE_TTL_S, SpaceLease, SpaceLeases
+from mooncake_k8s.store.master.spaces import SPACE_TTL_S, SpaceLeases
 from mooncake_k8s.store.master.tiering import TierPolicy
 
 log = logging.getLogger(__name__)
@@ -93,8 +90,8 @@ class UnknownNode(StoreError, LookupError):
     """The node is not registered with this master (it restarted, or the node timed out)."""
 
 
-class MasterState(ClassicPuts, NodeMembership, TierPolicy, SpaceLeases):
-    """Everything the master knows; see the module docstring. Thread-safe."""
+class MasterState:
+    """Everything the master knows, made of its parts; see the module docstring. Thread-safe."""
 
     def __init__(
         self,
@@ -123,110 +120,94 @@ class MasterState(ClassicPuts, NodeMembership, TierPolicy, SpaceLeases):
         if put_claim_s <= 0:
             raise InvalidArgument(f"put_claim_s must be > 0, got {put_claim_s}")
         self.master_id = master_id or uuid.uuid4().hex
-        self.high_watermark = high_watermark
-        self.low_watermark = low_watermark
-        self.put_timeout_s = put_timeout_s
-        self.put_claim_s = put_claim_s
-        self.space_ttl_s = space_ttl_s
         self.lease_ms = lease_ms
         self.max_lease_ms = max_lease_ms
-        self.node_timeout_s = node_timeout_s
-        self.max_object_size = max_object_size
-        self._now = now
-        self._wall = wall
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._closed = False
-        self._nodes: dict[str, Node] = {}
-        self._segments: dict[str, Segment] = {}
-        self._objects: dict[str, Obj] = {}
-        self._pending: OrderedDict[int, Pending] = OrderedDict()  # deadline order
-        self._pending_keys: dict[str, int] = {}
-        self._spaces: OrderedDict[int, SpaceLease] = OrderedDict()  # last-use order
-        self._leases: dict[int, Lease] = {}
-        self._lease_heap: list[tuple[float, int]] = []
-        self._copies: dict[int, Copy] = {}
         # Put, lease and command ids share one sequence. It starts at a random point so that a
         # put id issued by a previous master process is never mistaken for one of ours.
         if first_id is None:
             first_id = (secrets.randbits(31) << 20) + 1
-        self._ids = itertools.count(first_id)
-        self._seq = 0
-        self._hub = EventHub(event_queue)
-        self._outbox: list[pb.BlockEvent] = []
-        self.hits = 0
-        self.misses = 0
-        self.evictions = 0
-        self.spills = 0
-        self.promotions = 0
-        self.hidden_objects = 0
+        cat = self.catalog = Catalog(now=now, wall=wall, first_id=first_id,
+                                     event_queue=event_queue)
+        self.tiers = TierPolicy(cat, high_watermark=high_watermark, low_watermark=low_watermark,
+                                copy_timeout_s=put_timeout_s)
+        self.puts = ClassicPuts(cat, self.tiers, max_object_size=max_object_size,
+                                put_timeout_s=put_timeout_s, put_claim_s=put_claim_s)
+        self.spaces = SpaceLeases(cat, self.tiers, max_object_size=max_object_size,
+                                  space_ttl_s=space_ttl_s)
+        self.membership = NodeMembership(cat, self.tiers, self.puts, self.spaces,
+                                         master_id=self.master_id, node_timeout_s=node_timeout_s)
+        self._lock = cat.lock
+        self._objects = cat.objects
+        self._segments = cat.segments
+        self._leases: dict[int, Lease] = {}
+        self._lease_heap: list[tuple[float, int]] = []
 
-    # -- plumbing --------------------------------------------------------------------------
+    # -- the parts' calls, as the servicer makes them ---------------------------------------
 
-    def _new_id(self) -> int:
-        return next(self._ids)
+    def register_node(
+        self, node_id: str, address: str, host_id: str, segments: Sequence[pb.SegmentInfo],
+        inventory: Sequence[pb.InventoryItem] = (), incarnation: str = "",
+        journal: Sequence[pb.InventoryItem] = (),
+    ) -> Registration:
+        """See `membership.NodeMembership.register_node`."""
+        return self.membership.register_node(node_id, address, host_id, segments, inventory,
+                                             incarnation, journal)
 
-    @contextlib.contextmanager
-    def _op(self) -> Iterator[None]:
-        with self._lock:
-            try:
-                yield
-            finally:
-                if self._outbox:
-                    self._hub.publish(self._outbox)
-                    self._outbox = []
+    def heartbeat(self, node_id: str) -> bool:
+        return self.membership.heartbeat(node_id)
 
-    def _emit(self, kind: int, key: str, size: int, seg: Segment) -> None:
-        self._seq += 1
-        if self._hub.active:
-            self._outbox.append(
-                _EV(
-                    seq=self._seq, kind=kind, key=key, node_id=seg.node.node_id,  # type: ignore[arg-type]
-                    segment=seg.name, tier=seg.tier, size=size,  # type: ignore[arg-type]
-                    unix_ms=int(self._wall() * 1000),
-                )
-            )
+    def open_command_stream(
+        self, node_id: str, master_id: str = "", waker: Callable[[], None] | None = None
+    ) -> int | None:
+        return self.membership.open_command_stream(node_id, master_id, waker)
 
-    def _command(self, node: Node, kind: int, key: str, seg: Segment, offset: int, size: int,
-                 checksum: int = 0, src: Rep | None = None) -> int:
-        cmd_id = next(self._ids)
-        if node.alive:
-            node.commands.append(
-                _CMD(
-                    id=cmd_id, kind=kind, key=key, segment=seg.name, offset=offset, size=size,  # type: ignore[arg-type]
-                    checksum=checksum, src_segment=src.seg.name if src else "",
-                    src_offset=src.offset if src else 0,
-                )
-            )
-            self._wake(node)
-        return cmd_id
+    def next_commands(
+        self, node_id: str, stream: int, timeout: float
+    ) -> list[pb.NodeCommand] | None:
+        return self.membership.next_commands(node_id, stream, timeout)
 
-    def _free_rep(self, obj: Obj, rep: Rep, committed: bool = True) -> None:
-        seg = rep.seg
-        if seg.alive:
-            size = obj.size
-            seg.alloc.free(rep.offset, size)
-            if committed:
-                self._command(seg.node, _CMD.FREED, obj.key, seg, rep.offset, size)
+    def command_done(self, node_id: str, cmd_id: int, ok: bool, error: str = "") -> bool:
+        return self.membership.command_done(node_id, cmd_id, ok, error)
 
-    def _drop_rep(self, obj: Obj, rep: Rep, kind: int) -> None:
-        """Take one replica away from a visible object (evicted, node gone, spilled away)."""
-        reps = obj.reps
-        reps.remove(rep)
-        self._free_rep(obj, rep)
-        obj.set_reps(reps)
-        seg = rep.seg
-        seg.count -= 1  # its queue entry is stale now; scans skip it
-        if kind:
-            self._emit(kind, obj.key, obj.size, seg)
-        if not reps and self._objects.get(obj.key) is obj:
-            del self._objects[obj.key]
+    def put_start(
+        self, key: str, size: int, replicas: int = 1, placement: int = pb.LOCAL_FIRST,
+        preferred_segment: str = "", client_host_id: str = "",
+    ) -> pb.PutStartResponse:
+        """See `puts.ClassicPuts.put_start`."""
+        return self.puts.put_start(key, size, replicas, placement, preferred_segment,
+                                   client_host_id)
 
-    def _release_hidden(self, obj: Obj) -> None:
-        for rep in obj.reps:
-            self._free_rep(obj, rep)
-        obj.set_reps([])
-        self.hidden_objects -= 1
+    def put_end(self, key: str, put_id: int, checksum: int) -> None:
+        self.puts.put_end(key, put_id, checksum)
+
+    def put_revoke(self, key: str, put_id: int) -> None:
+        self.puts.put_revoke(key, put_id)
+
+    def batch_put_start(self, items: Sequence[pb.PutStartRequest]) -> list[pb.PutStartResult]:
+        return self.puts.batch_put_start(items)
+
+    def batch_put_end(self, items: Sequence[pb.PutEndRequest]) -> pb.BatchPutEndResponse:
+        return self.puts.batch_put_end(items)
+
+    def lease_space(
+        self, size: int, min_size: int = 0, replicas: int = 1, placement: int = pb.LOCAL_FIRST,
+        preferred_segment: str = "", client_host_id: str = "",
+    ) -> pb.SpaceLeaseResponse:
+        """See `spaces.SpaceLeases.lease_space`."""
+        return self.spaces.lease_space(size, min_size, replicas, placement, preferred_segment,
+                                       client_host_id)
+
+    def put_commit(
+        self, lease_id: int, items: Sequence[pb.CommitItem], release: bool = False
+    ) -> pb.PutCommitResponse:
+        return self.spaces.put_commit(lease_id, items, release)
+
+    def space_release(self, lease_id: int) -> bool:
+        return self.spaces.space_release(lease_id)
+
+    @property
+    def space_leases(self) -> int:
+        return self.spaces.space_leases
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -238,7 +219,8 @@ class MasterState(ClassicPuts, NodeMembership, TierPolicy, SpaceLeases):
         lease_ms = min(lease_ms or self.lease_ms, self.max_lease_ms)
         entries: list[bytes] = []
         add = entries.append
-        with self._op():
+        cat = self.catalog
+        with cat.op():
             get = self._objects.get
             leased: list[Obj] = []
             hold = leased.append
@@ -256,15 +238,15 @@ class MasterState(ClassicPuts, NodeMembership, TierPolicy, SpaceLeases):
                 obj.state = (state | REF) + LEASE  # looked up (for eviction), leased
                 hold(obj)
             found = len(leased)
-            self.hits += found
-            self.misses += len(entries) - found
+            cat.hits += found
+            cat.misses += len(entries) - found
             if not leased:
                 return Lookup(entries, 0, 0, 0)
-            lease_id = next(self._ids)
-            expires = self._now() + lease_ms / 1000.0
+            lease_id = cat.new_id()
+            expires = cat.now() + lease_ms / 1000.0
             self._leases[lease_id] = Lease(lease_id, expires, leased)
             heapq.heappush(self._lease_heap, (expires, lease_id))
-            return Lookup(entries, lease_id, int(self._wall() * 1000) + lease_ms, found)
+            return Lookup(entries, lease_id, int(cat.wall() * 1000) + lease_ms, found)
 
     def _lookup_slow(self, obj: Obj, client_host_id: str) -> bytes:
         """The answer for an object with several replicas (or one, on SSD only): marks each
@@ -279,12 +261,12 @@ class MasterState(ClassicPuts, NodeMembership, TierPolicy, SpaceLeases):
             if client_host_id and len({r.seg.node.host_id for r in at}) > 1:
                 wire = encode_entry(at, obj.size, obj.checksum, client_host_id)
         if obj.ssd_only and not obj.copying:
-            self._promote(obj)
+            self.tiers.promote(obj)
         return wire
 
     def release_lease(self, lease_id: int) -> bool:
         """End a lease early; False if it is unknown (already released or expired)."""
-        with self._op():
+        with self.catalog.op():
             lease = self._leases.pop(lease_id, None)
             if lease is None:
                 return False
@@ -295,7 +277,7 @@ class MasterState(ClassicPuts, NodeMembership, TierPolicy, SpaceLeases):
         for obj in lease.objs:
             obj.state -= LEASE
             if obj.state < LEASE and obj.state & HIDDEN and obj.at:
-                self._release_hidden(obj)
+                self.catalog.release_hidden(obj)
 
     def exists(self, keys: Sequence[str]) -> tuple[list[bool], int]:
         """Presence of each key and how many leading keys are all present."""
@@ -330,7 +312,8 @@ class MasterState(ClassicPuts, NodeMembership, TierPolicy, SpaceLeases):
         """Remove objects; a leased one (unless `force`) is hidden now and freed after its
         last lease. False for unknown keys."""
         out = []
-        with self._op():
+        cat = self.catalog
+        with cat.op():
             for key in keys:
                 obj = self._objects.pop(key, None)
                 if obj is None:
@@ -339,11 +322,11 @@ class MasterState(ClassicPuts, NodeMembership, TierPolicy, SpaceLeases):
                 size = obj.size
                 for rep in obj.reps:
                     rep.seg.count -= 1  # its queue entry is stale now; scans skip it
-                    self._emit(_EV.REMOVED, key, size, rep.seg)
+                    cat.emit(_EV.REMOVED, key, size, rep.seg)
                 obj.hidden = True
-                self.hidden_objects += 1
+                cat.hidden_objects += 1
                 if force or obj.leases == 0:
-                    self._release_hidden(obj)
+                    self.catalog.release_hidden(obj)
                 out.append(True)
         return out
 
@@ -362,40 +345,58 @@ class MasterState(ClassicPuts, NodeMembership, TierPolicy, SpaceLeases):
 
     def tick(self) -> None:
         """Expire nodes, puts, leases and copies; evict segments above the high watermark."""
-        with self._op():
-            now = self._now()
-            for node in list(self._nodes.values()):
-                if now - node.last_seen > self.node_timeout_s:
-                    self._drop_node(node, f"no heartbeat for {self.node_timeout_s}s")
-            while self._pending:
-                put = next(iter(self._pending.values()))
-                if put.deadline > now:
-                    break
-                log.info("put timed out", extra={"key": put.key, "put_id": put.put_id})
-                self._end_pending(put)
-            self._expire_spaces(now)
+        with self.catalog.op():
+            now = self.catalog.now()
+            self.membership.expire(now)
+            self.puts.expire(now)
+            self.spaces.expire(now)
             heap = self._lease_heap
             while heap and heap[0][0] <= now:
                 _, lease_id = heapq.heappop(heap)
                 lease = self._leases.pop(lease_id, None)
                 if lease is not None:
                     self._end_lease(lease)
-            for cp in [c for c in self._copies.values() if c.deadline <= now]:
-                del self._copies[cp.cmd_id]
-                self._finish_copy(cp, False, "timed out")
+            self.tiers.expire_copies(now)
+            high = self.tiers.high_watermark
             for seg in list(self._segments.values()):
-                if seg.alloc.used > self.high_watermark * seg.alloc.capacity:
-                    self._shrink(seg)
+                if seg.alloc.used > high * seg.alloc.capacity:
+                    self.tiers.shrink(seg)
 
     # -- events, stats, shutdown ----------------------------------------------------------
 
     def subscribe(self, node_id: str = "", max_queue: int | None = None) -> Subscription:
         """Block events from now on (only `node_id`'s when given), in a bounded queue."""
-        return self._hub.subscribe(node_id, max_queue)
+        return self.catalog.hub.subscribe(node_id, max_queue)
 
     @property
     def event_seq(self) -> int:
-        return self._seq
+        return self.catalog.seq
+
+    # -- counters (the catalog's, which the parts update) ------------------------------------
+
+    @property
+    def hits(self) -> int:
+        return self.catalog.hits
+
+    @property
+    def misses(self) -> int:
+        return self.catalog.misses
+
+    @property
+    def evictions(self) -> int:
+        return self.catalog.evictions
+
+    @property
+    def spills(self) -> int:
+        return self.catalog.spills
+
+    @property
+    def promotions(self) -> int:
+        return self.catalog.promotions
+
+    @property
+    def hidden_objects(self) -> int:
+        return self.catalog.hidden_objects
 
     def stats(self) -> pb.StatsResponse:
         with self._lock:
@@ -409,8 +410,8 @@ class MasterState(ClassicPuts, NodeMembership, TierPolicy, SpaceLeases):
             replicas = sum(s.count for s in self._segments.values())
             n = len(self._objects)
             return pb.StatsResponse(
-                master_id=self.master_id, objects=n, pending_puts=len(self._pending),
-                nodes=len(self._nodes), segments=segs, evictions=self.evictions,
+                master_id=self.master_id, objects=n, pending_puts=len(self.puts.pending),
+                nodes=len(self.catalog.nodes), segments=segs, evictions=self.evictions,
                 spills=self.spills, promotions=self.promotions,
                 meta_bytes_estimate=self.meta_bytes_estimate(n, replicas),
             )
@@ -424,9 +425,9 @@ class MasterState(ClassicPuts, NodeMembership, TierPolicy, SpaceLeases):
             return {
                 "hits": self.hits, "misses": self.misses, "evictions": self.evictions,
                 "spills": self.spills, "promotions": self.promotions,
-                "objects": len(self._objects), "nodes": len(self._nodes),
-                "pending_puts": len(self._pending), "leases": len(self._leases),
-                "space_leases": len(self._spaces),
+                "objects": len(self._objects), "nodes": len(self.catalog.nodes),
+                "pending_puts": len(self.puts.pending), "leases": len(self._leases),
+                "space_leases": self.spaces.space_leases,
             }
 
     def segment_usage(self) -> list[tuple[str, int, int, int]]:
@@ -437,12 +438,13 @@ class MasterState(ClassicPuts, NodeMembership, TierPolicy, SpaceLeases):
 
     def node_ids(self) -> list[str]:
         with self._lock:
-            return list(self._nodes)
+            return list(self.catalog.nodes)
 
     def close(self) -> None:
         """End every command stream and subscription (shutdown)."""
-        with self._lock:
-            self._closed = True
-            for node in self._nodes.values():
-                self._wake(node)
-        self._hub.close()
+        cat = self.catalog
+        with cat.lock:
+            cat.closed = True
+            for node in cat.nodes.values():
+                cat.wake(node)
+        cat.hub.close()

@@ -1,8 +1,9 @@
 """Where an object's bytes go and which bytes leave: placement, eviction, spill and promotion.
 
-A mixin of `metadata.MasterState`, kept apart because it is a policy of its own: which segment
+A part of `state.MasterState`, kept apart because it is a policy of its own: which segment
 takes a new replica, which replicas leave when a segment is full, and how DRAM victims move to
-SSD. It runs under the state's lock like everything else there.
+SSD (and SSD hits back to DRAM), with the copies that takes. It works on the shared records
+through `catalog.Catalog` and runs under the state's lock like everything else there.
 
 The watermark rule, on every tier: no allocation ever takes a segment above its high watermark
 (`_room`), whether it is a new object, a spill destination or a promotion; the only exception
@@ -31,11 +32,12 @@ watermark anyway (rebuilt from an inventory, say) is shrunk to its low watermark
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Callable
 
 from mooncake_k8s.common.errors import NoSpace, ObjectTooLarge
 from mooncake_k8s.common.rpc import store_pb2 as pb
+from mooncake_k8s.store.master.catalog import Catalog
 from mooncake_k8s.store.master.records import (
     COPYING,
     DRAM,
@@ -49,28 +51,24 @@ from mooncake_k8s.store.master.records import (
     Segment,
 )
 
+log = logging.getLogger(__name__)
+
 _EV = pb.BlockEvent
 _CMD = pb.NodeCommand
 
 
 class TierPolicy:
-    """Placement and eviction over `_segments`; see the module docstring."""
+    """Placement, eviction, spilling and promotion over the catalog's segments, and the copies
+    that spills and promotions are; see the module docstring."""
 
-    # Provided by MasterState.
-    high_watermark: float
-    low_watermark: float
-    put_timeout_s: float
-    evictions: int
-    _segments: dict[str, Segment]
-    _copies: dict[int, Copy]
-    _now: Callable[[], float]
-
-    def _command(self, node: Node, kind: int, key: str, seg: Segment, offset: int, size: int,
-                 checksum: int = 0, src: Rep | None = None) -> int:
-        raise NotImplementedError
-
-    def _drop_rep(self, obj: Obj, rep: Rep, kind: int) -> None:
-        raise NotImplementedError
+    def __init__(self, catalog: Catalog, *, high_watermark: float, low_watermark: float,
+                 copy_timeout_s: float) -> None:
+        self._cat = catalog
+        self.high_watermark = high_watermark
+        self.low_watermark = low_watermark
+        self.copy_timeout_s = copy_timeout_s
+        self.copies: dict[int, Copy] = {}
+        """Spills and promotions in flight, by command id."""
 
     # -- room ----------------------------------------------------------------------------------
 
@@ -80,7 +78,7 @@ class TierPolicy:
 
     # -- placement -----------------------------------------------------------------------------
 
-    def _place(
+    def place(
         self, size: int, n: int, placement: int, preferred: str, host_id: str,
         evict: bool = True,
     ) -> list[Rep]:
@@ -91,7 +89,7 @@ class TierPolicy:
         extent is not worth dropping cached objects for) DRAM made room in by eviction, then
         SSD likewise.
         """
-        alive = list(self._segments.values())
+        alive = list(self._cat.segments.values())
         if not alive:
             raise NoSpace("no storage segments are registered")
         largest = max(s.alloc.capacity for s in alive)
@@ -139,7 +137,7 @@ class TierPolicy:
         its SSD (never evicting here), which makes room for the puts after this one."""
         need = seg.alloc.rounded(size)
         if not self._room(seg, need) and seg.tier == DRAM:
-            self._shrink(seg, incoming=need, spill_only=True)  # may drop DRAM copies of SSD ones
+            self.shrink(seg, incoming=need, spill_only=True)  # may drop DRAM copies of SSD ones
         if not self._room(seg, need):
             return None
         return seg.alloc.alloc(size)
@@ -205,12 +203,12 @@ class TierPolicy:
 
     def _evict(self, obj: Obj, seg: Segment) -> None:
         if obj.on(seg):
-            self._drop_rep(obj, obj.rep_on(seg), _EV.EVICTED)
-            self.evictions += 1
+            self._cat.drop_rep(obj, obj.rep_on(seg), _EV.EVICTED)
+            self._cat.evictions += 1
 
     # -- shrinking and spilling ----------------------------------------------------------------
 
-    def _shrink(
+    def shrink(
         self, seg: Segment, incoming: int = 0, pinned_too: bool = True, spill_only: bool = False
     ) -> None:
         """Evict (or spill) LRU-first down to the low watermark, leaving room for `incoming`
@@ -244,8 +242,8 @@ class TierPolicy:
                         continue
                 if spill_only and not any(r.seg.tier == SSD for r in reps):
                     return  # could not be spilled: it stays
-                self._drop_rep(obj, rep, _EV.EVICTED)  # (a copy on SSD is kept, if any)
-                self.evictions += 1
+                self._cat.drop_rep(obj, rep, _EV.EVICTED)  # (a copy on SSD is kept, if any)
+                self._cat.evictions += 1
 
     def _spill_target(self, ssds: list[Segment], need: int) -> Segment | None:
         """An SSD segment that can take `need` bytes under its high watermark: one with room,
@@ -256,14 +254,14 @@ class TierPolicy:
             if self._room(ssd, need):
                 return ssd
         for ssd in ssds:
-            self._shrink(ssd, incoming=need, pinned_too=False)
+            self.shrink(ssd, incoming=need, pinned_too=False)
             if self._room(ssd, need):
                 return ssd
         return None
 
     # -- promotion -----------------------------------------------------------------------------
 
-    def _promote(self, obj: Obj) -> None:
+    def promote(self, obj: Obj) -> None:
         """Copy an SSD-only object back into a DRAM segment of its node that has room."""
         src = next((r for r in obj.reps if r.seg.alive), None)
         if src is None:
@@ -280,7 +278,80 @@ class TierPolicy:
 
     def _start_copy(self, kind: str, obj: Obj, src: Rep, dst: Rep) -> None:
         obj.copying = True
-        cmd_id = self._command(
+        cmd_id = self._cat.command(
             src.seg.node, _CMD.COPY, obj.key, dst.seg, dst.offset, obj.size, obj.checksum, src
         )
-        self._copies[cmd_id] = Copy(cmd_id, kind, obj, src, dst, self._now() + self.put_timeout_s)
+        deadline = self._cat.now() + self.copy_timeout_s
+        self.copies[cmd_id] = Copy(cmd_id, kind, obj, src, dst, deadline)
+
+    # -- copies ----------------------------------------------------------------------------------
+
+    def finish_copy(self, cp: Copy, ok: bool, error: str) -> None:
+        """A spill or promotion ended (`ok` or not): the destination replica joins the object,
+        or is freed; a spill that succeeded drops its DRAM source unless it is leased."""
+        obj = cp.obj
+        obj.copying = False
+        if cp.kind == "spill":
+            cp.src.seg.spilling -= cp.src.seg.alloc.rounded(obj.size)
+        live = (
+            not obj.hidden
+            and self._cat.objects.get(obj.key) is obj
+            and cp.src in obj.reps
+            and cp.dst.seg.alive
+        )
+        if not ok or not live:
+            self._cat.free_rep(obj, cp.dst, committed=False)
+            if not ok:
+                log.warning(
+                    "copy failed",
+                    extra={"kind": cp.kind, "key": obj.key, "node_id": cp.node.node_id,
+                           "error": error},
+                )
+                if cp.kind == "spill" and live and obj.leases == 0:
+                    self._cat.drop_rep(obj, cp.src, _EV.EVICTED)
+                    self._cat.evictions += 1
+            return
+        dst = cp.dst
+        obj.set_reps([*obj.reps, dst])
+        dst.seg.enqueue(obj)
+        self._cat.command(dst.seg.node, _CMD.COMMITTED, obj.key, dst.seg, dst.offset, obj.size,
+                          obj.checksum)
+        if cp.kind == "spill":
+            self._cat.spills += 1
+            self._cat.emit(_EV.SPILLED, obj.key, obj.size, dst.seg)
+            if obj.leases == 0:
+                self._cat.drop_rep(obj, cp.src, 0)
+        else:
+            self._cat.promotions += 1
+            self._cat.emit(_EV.PROMOTED, obj.key, obj.size, dst.seg)
+
+    def copy_done(self, node_id: str, cmd_id: int, ok: bool, error: str) -> bool:
+        """A node reported a COPY; False when it is unknown (expired, node replaced)."""
+        cp = self.copies.get(cmd_id)
+        if cp is None or cp.node.node_id != node_id:
+            return False
+        del self.copies[cmd_id]
+        self.finish_copy(cp, ok, error)
+        return True
+
+    def expire_copies(self, now: float) -> None:
+        for cp in [c for c in self.copies.values() if c.deadline <= now]:
+            del self.copies[cp.cmd_id]
+            self.finish_copy(cp, False, "timed out")
+
+    def cancel_copies(self, node: Node) -> None:
+        """Forget the copies `node`'s old process was asked to make (it restarted): their
+        destinations are freed, their sources left as they are."""
+        for cp in [c for c in self.copies.values() if c.node is node]:
+            del self.copies[cp.cmd_id]
+            cp.obj.copying = False
+            if cp.kind == "spill":
+                cp.src.seg.spilling -= cp.src.seg.alloc.rounded(cp.obj.size)
+            self._cat.free_rep(cp.obj, cp.dst, committed=False)
+
+    def forget_copies(self, node: Node) -> None:
+        """Forget the copies of a node that is gone (its segments with it)."""
+        for cp in list(self.copies.values()):
+            if cp.node is node:
+                del self.copies[cp.cmd_id]
+                cp.obj.copying = False
