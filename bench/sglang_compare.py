@@ -61,9 +61,9 @@ from bench.serve.client import ApiConfig, RequestOutput, RequestSpec, send
 from bench.serve.load import new_session
 from bench.serve.report import fmt, table
 from mooncake_k8s.engine.child import EngineChild
+from mooncake_k8s.engine.embedded import EngineConfig
 from mooncake_k8s.engine.loading import model_source
 from mooncake_k8s.engine.sglang.server import CPU_PATH, SglangServer, SglangServerConfig
-from mooncake_k8s.engine.structs import EngineConfig
 from mooncake_k8s.store.testing import StoreCluster, metric_value
 from mooncake_k8s.up import LocalCluster, UpConfig
 

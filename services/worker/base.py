@@ -18,11 +18,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic
 
 import grpc
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily
+from typing_extensions import TypeVar
 
 from mooncake_k8s.common.health import HealthServer, stop_requested
 from mooncake_k8s.common.rpc import serving_pb2 as pb
@@ -71,7 +72,8 @@ class WorkerConfig:
     """The kind's own settings (`EngineKind.settings`); None = the kind's defaults."""
 
 
-E = TypeVar("E", bound=Engine)
+E = TypeVar("E", bound=Engine, default=Engine)
+"""The role's engine protocol (`Worker` alone: any engine, as a test that loads none has it)."""
 
 
 class Worker(Generic[E]):
@@ -97,7 +99,7 @@ class Worker(Generic[E]):
             "mooncake_worker_ready", "1 when the worker serves requests", ["role"],
             registry=self.registry,
         )
-        self.registry.register(_EngineCounters(self))
+        self.registry.register(_EngineCounters(lambda: self.engine))
         # mooncake_transfer_rdma_info: whether RDMA is unavailable, untested or in use here.
         self.registry.register(RdmaInfoCollector(lambda: str(self.store.engine.transport)))
 
@@ -271,14 +273,14 @@ class DecodeWorker(Worker[DecodeEngine]):
 class _EngineCounters:
     """Counters the engine keeps itself (e.g. in vLLM's processes), read at scrape time."""
 
-    def __init__(self, worker: Worker[Any]) -> None:
-        self.worker = worker
+    def __init__(self, engine: Callable[[], Engine | None]) -> None:
+        self.engine = engine
 
     def describe(self) -> list[Any]:
         return []
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        engine = self.worker.engine
+        engine = self.engine()
         if engine is None:
             return
         families: dict[str, CounterMetricFamily] = {}
@@ -291,7 +293,7 @@ class _EngineCounters:
         yield from families.values()
 
 
-def run_worker(worker: Worker[Any]) -> None:
+def run_worker(worker: Worker[E]) -> None:
     """Serve until SIGTERM/SIGINT, then drain and stop. If the engine's own process dies (a
     vLLM server), stop and exit non-zero: the supervisor (`mooncake up`, Kubernetes) restarts
     the worker, and a worker that can never serve again does not linger unready."""
