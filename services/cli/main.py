@@ -24,6 +24,7 @@ from mooncake_k8s.cli.options import (  # noqa: F401 (re-exported for tests and 
     parse_size,
 )
 from mooncake_k8s.cli.sidecar import sidecar as _sidecar_command
+from mooncake_k8s.cli.startup import guard
 from mooncake_k8s.common import defaults as d
 
 
@@ -36,8 +37,6 @@ def main() -> None:
 @main.group()
 def store() -> None:
     """The distributed KV cache store: master, storage nodes, inspection."""
-
-
 
 
 @store.command("master")
@@ -224,7 +223,6 @@ def store_demo(size: int) -> None:
     run_demo(size, click.echo)
 
 
-
 def _register_serving() -> None:
     from mooncake_k8s.cli.sched import COMMANDS as SCHED_COMMANDS
     from mooncake_k8s.cli.serving import COMMANDS
@@ -245,3 +243,5 @@ def _register_operator() -> None:
 
 _register_operator()
 main.add_command(_sidecar_command)
+# Last, over the whole tree: a server's start-up errors become one line (flag, value), exit 2.
+guard(main)
