@@ -36,6 +36,7 @@ from mooncake_k8s.conductor.http.protocol import (
     ApiError,
     ChatRequest,
     CompletionRequest,
+    Endpoint,
     _Common,
     parse,
 )
@@ -143,10 +144,10 @@ class Frontend:
         return web.json_response({"object": "list", "data": data})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "chat")
+        return await self._generate(request, Endpoint.CHAT)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, "completions")
+        return await self._generate(request, Endpoint.COMPLETIONS)
 
     # -- the shared generation path --------------------------------------------------------
 
@@ -164,8 +165,8 @@ class Frontend:
                        "Missing API key: send 'Authorization: Bearer <key>'",
                        code="invalid_api_key")
 
-    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
-        endpoint = f"/v1/{'chat/completions' if kind == 'chat' else 'completions'}"
+    async def _generate(self, request: web.Request, kind: Endpoint) -> web.StreamResponse:
+        endpoint = kind.path
         try:
             tenant = self.authenticate(request)
             priority = request.headers.get("X-Mooncake-Priority", "interactive").lower()
@@ -174,7 +175,7 @@ class Frontend:
                                     f", not {priority!r}", param="X-Mooncake-Priority")
             raw = await read_body(request, self.limits)
             body = decode_json(raw, self.limits.max_json_depth)
-            req: _Common = parse(ChatRequest if kind == "chat" else CompletionRequest, body)
+            req: _Common = parse(kind.body, body)
             with tracing.span("conductor.request", endpoint=endpoint):
                 gen, max_tokens = await self._prepare(req, kind, tenant)
                 gen.priority = priority
@@ -184,7 +185,8 @@ class Frontend:
             self.metrics.requests.labels(endpoint, str(e.status)).inc()
             return web.json_response(e.body(), status=e.status, headers=e.headers)
 
-    async def _prepare(self, req: _Common, kind: str, tenant: str) -> tuple[Generation, int]:
+    async def _prepare(self, req: _Common, kind: Endpoint,
+                       tenant: str) -> tuple[Generation, int]:
         name = self.model_name()
         if name is None or self.tokenizer is None:
             raise ApiError(503, f"not ready: {self.not_ready()}", type_="server_error")
@@ -214,8 +216,8 @@ class Frontend:
         ctx = self.max_context()
         if len(tokens) >= ctx:
             raise ApiError(400, f"This model's maximum context length is {ctx} tokens; the "
-                                f"prompt has {len(tokens)}", param="messages" if kind == "chat"
-                           else "prompt", code="context_length_exceeded")
+                                f"prompt has {len(tokens)}", param=kind.prompt_param,
+                           code="context_length_exceeded")
         max_tokens = limit if limit is not None else min(DEFAULT_MAX_TOKENS, ctx - len(tokens))
         if len(tokens) + max_tokens > ctx:
             raise ApiError(400, f"This model's maximum context length is {ctx} tokens. However, "
@@ -250,7 +252,7 @@ class Frontend:
         ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
         return [int(t) for t in ids]
 
-    async def _respond(self, request: web.Request, req: _Common, kind: str, gen: Generation,
+    async def _respond(self, request: web.Request, req: _Common, kind: Endpoint, gen: Generation,
                        max_tokens: int, endpoint: str) -> web.StreamResponse:
         out = Outcome()
         self.metrics.inflight.inc()
@@ -314,28 +316,27 @@ class Frontend:
                 "total_tokens": out.prompt_tokens + out.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
 
-    def _full_body(self, req: _Common, kind: str, gen: Generation, out: Outcome,
+    def _full_body(self, req: _Common, kind: Endpoint, gen: Generation, out: Outcome,
                    text: str) -> dict[str, Any]:
         created = int(time.time())
-        if kind == "chat":
+        if kind is Endpoint.CHAT:
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant",
                                                               "content": text},
                                       "finish_reason": out.finish_reason, "logprobs": None}
-            obj, prefix = "chat.completion", "chatcmpl"
         else:
             choice = {"index": 0, "text": text, "finish_reason": out.finish_reason,
                       "logprobs": None}
-            obj, prefix = "text_completion", "cmpl"
-        return {"id": f"{prefix}-{gen.request_id}", "object": obj, "created": created,
+        return {"id": f"{kind.id_prefix}-{gen.request_id}", "object": kind.object,
+                "created": created,
                 "model": req.model, "choices": [choice], "usage": self._usage(out)}
 
-    async def _stream(self, request: web.Request, req: _Common, kind: str, gen: Generation,
-                      out: Outcome) -> web.StreamResponse | None:
+    async def _stream(self, request: web.Request, req: _Common, kind: Endpoint,
+                      gen: Generation, out: Outcome) -> web.StreamResponse | None:
         """The SSE response, or None when a write failed because the client went away."""
         created = int(time.time())
-        chat = kind == "chat"
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{gen.request_id}"
+        chat = kind is Endpoint.CHAT
+        obj = kind.chunk_object
+        rid = f"{kind.id_prefix}-{gen.request_id}"
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
         def chunk(d: Delta | None, first: bool) -> dict[str, Any]:

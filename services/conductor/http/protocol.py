@@ -7,6 +7,7 @@ beats a response that quietly differs from what was asked.
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -128,6 +129,45 @@ class CompletionRequest(_Common):
             return one if isinstance(one, str) else [int(t) for t in one]  # type: ignore[union-attr]
         raise ApiError(400, "batched prompts are not supported; send one prompt per request",
                        param="prompt")
+
+
+class Endpoint(Enum):
+    """The two generation endpoints. What the edge does differently for each is a property
+    here, so the handlers dispatch on this value (`Frontend._generate` and the methods it
+    calls), never on a string."""
+
+    CHAT = "/v1/chat/completions"
+    COMPLETIONS = "/v1/completions"
+
+    @property
+    def path(self) -> str:
+        """The route, also the `endpoint` label of the request metrics."""
+        return self.value
+
+    @property
+    def body(self) -> type[_Common]:
+        """The request body it accepts."""
+        return ChatRequest if self is Endpoint.CHAT else CompletionRequest
+
+    @property
+    def prompt_param(self) -> str:
+        """The body field an error about the prompt names."""
+        return "messages" if self is Endpoint.CHAT else "prompt"
+
+    @property
+    def object(self) -> str:
+        """The `object` of a whole response."""
+        return "chat.completion" if self is Endpoint.CHAT else "text_completion"
+
+    @property
+    def chunk_object(self) -> str:
+        """The `object` of a streamed chunk."""
+        return "chat.completion.chunk" if self is Endpoint.CHAT else "text_completion"
+
+    @property
+    def id_prefix(self) -> str:
+        """A response id is this, a dash and the request id."""
+        return "chatcmpl" if self is Endpoint.CHAT else "cmpl"
 
 
 def parse(model: type[_Common], body: Any) -> Any:
