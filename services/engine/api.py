@@ -80,6 +80,9 @@ class EngineInfo:
     """The KV producer tag of the key namespace ("" for the embedded engine)."""
     bootstrap_addr: str = ""
     """Prefill engines with paired handoff (SGLang): host:port where decode meets them."""
+    tokenizer_fingerprint: str = ""
+    """`common.tokenizer_id` of the engine's tokenizer ("" = none): the Conductor checks that it
+    tokenises as the model served does."""
 
     def namespace(self, tenant: str = "") -> KeyNamespace:
         return KeyNamespace(self.fingerprint, self.dtype, self.block_tokens, tenant_salt=tenant,

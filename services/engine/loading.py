@@ -201,6 +201,15 @@ def load_tokenizer(path: Path) -> Any | None:
     return tf.AutoTokenizer.from_pretrained(path) if has_files else None
 
 
+def dir_tokenizer_fingerprint(path: Path) -> str:
+    """`common.tokenizer_id` of the tokenizer in a model directory ("" when it has none): what
+    an engine that tokenises in its own processes (vLLM, SGLang) reports to the Conductor."""
+    from ..common.tokenizer_id import tokenizer_fingerprint
+
+    tokenizer = load_tokenizer(path)
+    return tokenizer_fingerprint(tokenizer) if tokenizer is not None else ""
+
+
 def model_source(config: ModelConfig, progress: bool = True) -> tuple[Path, bytes, str]:
     """The model's Hugging Face directory (the built-in one converted on first use), its
     fingerprint and served name: what any engine kind serves, named the same way."""

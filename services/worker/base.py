@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily
 from typing_extensions import TypeVar
 
-from mooncake_k8s.common.health import HealthServer, stop_requested
+from mooncake_k8s.common.health import HealthServer, Watchdog, injected_hang, stop_requested
 from mooncake_k8s.common.rpc import serving_pb2 as pb
 from mooncake_k8s.common.rpcserver import start_server
 from mooncake_k8s.engine.api import (
@@ -70,10 +70,16 @@ class WorkerConfig:
     """A name in `engine.registry`."""
     engine_settings: EngineSettings | None = None
     """The kind's own settings (`EngineKind.settings`); None = the kind's defaults."""
+    stall_timeout_s: float = 300.0
+    """Liveness: /healthz fails once a call into the engine has waited this long while nothing
+    else the engine serves moved (a hung engine), so the kubelet restarts the pod."""
 
 
 E = TypeVar("E", bound=Engine, default=Engine)
 """The role's engine protocol (`Worker` alone: any engine, as a test that loads none has it)."""
+R = TypeVar("R")
+T = TypeVar("T")
+_END = object()
 
 
 class Worker(Generic[E]):
@@ -91,6 +97,7 @@ class Worker(Generic[E]):
         self.draining = threading.Event()
         self._inflight = 0
         self._inflight_lock = threading.Condition()
+        self.watchdog = Watchdog(config.stall_timeout_s)
         self._server: grpc.Server | None = None
         self._health: HealthServer | None = None
         self.port = 0
@@ -140,7 +147,8 @@ class Worker(Generic[E]):
         self._server = server
         if cfg.metrics_port is not None and cfg.metrics_port >= 0:
             self._health = HealthServer(
-                self.registry, cfg.metrics_host or cfg.host, cfg.metrics_port, self.not_ready
+                self.registry, cfg.metrics_host or cfg.host, cfg.metrics_port, self.not_ready,
+                alive=self.watchdog.stalled,
             ).start()
             self.metrics_port = self._health.port
         threading.Thread(target=self._load_engine, name="engine-load", daemon=True).start()
@@ -228,6 +236,28 @@ class Worker(Generic[E]):
             raise RuntimeError(f"{self.role}: the engine is not loaded")
         return self.engine
 
+    def engine_call(self, fn: Callable[..., R], *args: Any) -> R:
+        """Call into the engine under the liveness watchdog (a prefill)."""
+        with self.watchdog.waiting():
+            injected_hang(self.role)
+            return fn(*args)
+
+    def watched(self, items: Iterator[T]) -> Iterator[T]:
+        """The engine's stream with each wait for its next item under the liveness watchdog
+        (closing this closes the engine's stream)."""
+        try:
+            while True:
+                with self.watchdog.waiting():
+                    injected_hang(self.role)
+                    item = next(items, _END)
+                if item is _END:
+                    return
+                yield item  # type: ignore[misc]
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()
+
     def release(self) -> None:
         with self._inflight_lock:
             self._inflight -= 1
@@ -249,6 +279,7 @@ class Worker(Generic[E]):
             report.engine = info.kind
             report.kv_layout = info.kv_layout
             report.bootstrap_addr = info.bootstrap_addr
+            report.tokenizer_fingerprint = info.tokenizer_fingerprint
         return report
 
 

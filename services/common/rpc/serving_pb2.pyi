@@ -145,7 +145,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("instance_id", "role", "revision", "model", "model_fingerprint", "dtype", "block_tokens", "max_context", "ready", "draining", "queued_requests", "queued_tokens", "running", "kv_free_tokens", "kv_capacity_tokens", "local_segment", "engine", "kv_layout", "waiting", "bootstrap_addr")
+    __slots__ = ("instance_id", "role", "revision", "model", "model_fingerprint", "dtype", "block_tokens", "max_context", "ready", "draining", "queued_requests", "queued_tokens", "running", "kv_free_tokens", "kv_capacity_tokens", "local_segment", "engine", "kv_layout", "waiting", "bootstrap_addr", "tokenizer_fingerprint")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,7 @@ class LoadReport(_message.Message):
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_ADDR_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: str
     revision: str
@@ -186,4 +187,5 @@ class LoadReport(_message.Message):
     kv_layout: str
     waiting: int
     bootstrap_addr: str
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., revision: _Optional[str] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., running: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., local_segment: _Optional[str] = ..., engine: _Optional[str] = ..., kv_layout: _Optional[str] = ..., waiting: _Optional[int] = ..., bootstrap_addr: _Optional[str] = ...) -> None: ...
+    tokenizer_fingerprint: str
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., revision: _Optional[str] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., running: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., local_segment: _Optional[str] = ..., engine: _Optional[str] = ..., kv_layout: _Optional[str] = ..., waiting: _Optional[int] = ..., bootstrap_addr: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...

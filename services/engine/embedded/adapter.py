@@ -29,6 +29,7 @@ from mooncake_k8s.common import tracing
 from mooncake_k8s.common.buffers import byte_view
 from mooncake_k8s.common.errors import MooncakeError, ObjectExists, StoreError
 from mooncake_k8s.common.rpc import serving_pb2 as pb
+from mooncake_k8s.common.tokenizer_id import tokenizer_fingerprint
 from mooncake_k8s.engine.api import (
     DecodeWork,
     EngineCounter,
@@ -63,8 +64,10 @@ def sampling_from_pb(s: pb.Sampling) -> SamplingParams:
 
 
 def _info(engine: Engine) -> EngineInfo:
+    tok = tokenizer_fingerprint(engine.tokenizer) if engine.tokenizer is not None else ""
     return EngineInfo("embedded", engine.served_name, engine.fingerprint.hex(),
-                      engine.layout.dtype, engine.block_tokens, engine.max_context)
+                      engine.layout.dtype, engine.block_tokens, engine.max_context,
+                      tokenizer_fingerprint=tok)
 
 
 class _Embedded:

@@ -37,7 +37,7 @@ from mooncake_k8s.engine.api import (
     PrefillWork,
     TokenOut,
 )
-from mooncake_k8s.engine.loading import model_source
+from mooncake_k8s.engine.loading import dir_tokenizer_fingerprint, model_source
 
 from .kind import SglangSettings
 from .server import SglangError, SglangServer, SglangServerConfig
@@ -96,7 +96,8 @@ class _Sglang(ChildEngine):
         )))
         s = self.server
         self.info = EngineInfo("sglang", name, fp.hex(), s.dtype, ctx.model.block_tokens,
-                               s.max_context, s.kv_layout, s.bootstrap_addr)
+                               s.max_context, s.kv_layout, s.bootstrap_addr,
+                               dir_tokenizer_fingerprint(path))
 
     def counters(self) -> list[EngineCounter]:
         """What our HiCache backend and transfer engine in SGLang's processes did."""

@@ -35,7 +35,7 @@ from mooncake_k8s.engine.api import (
     PrefillWork,
     TokenOut,
 )
-from mooncake_k8s.engine.loading import model_source
+from mooncake_k8s.engine.loading import dir_tokenizer_fingerprint, model_source
 from mooncake_k8s.engine.vllm.connector import PARAMS_KEY
 from mooncake_k8s.engine.vllm.server import VllmError, VllmServer, VllmServerConfig
 
@@ -66,7 +66,8 @@ class _Vllm(ChildEngine):
         ident = self.server.identity
         self.info = EngineInfo("vllm", name, fp.hex(), str(ident["dtype"]),
                                int(ident["block_tokens"]), self.server.max_model_len,
-                               str(ident["kv_layout"]))
+                               str(ident["kv_layout"]),
+                               tokenizer_fingerprint=dir_tokenizer_fingerprint(path))
 
     def counters(self) -> list[EngineCounter]:
         """What the KV connector in vLLM's processes did: blocks moved by outcome, and how
