@@ -173,15 +173,17 @@ class LocalCluster:
                     args += ["--store-replicas", str(c.store_replicas)]
                     self.prefill_ports.append(port)
                 self._spawn(f"{role}-{i}", args, hport)
+        # Its /metrics also on the API port (loopback by default): `bench/serve` scrapes there.
+        cport = free_service_port(h)
         args = ["conductor", "--host", h, "--port", str(self.port), "--master", self.master,
                 "--prefill", ",".join(f"{h}:{p}" for p in self.prefill_ports),
                 "--decode", ",".join(f"{h}:{p}" for p in self.decode_ports),
-                *self._model_args()]
+                "--metrics-port", str(cport), "--metrics-on-api-port", *self._model_args()]
         if c.api_keys_file:
             args += ["--api-keys-file", c.api_keys_file]
         if not c.use_prefix_cache:
             args.append("--no-prefix-cache")
-        self._spawn("conductor", args, self.port)
+        self._spawn("conductor", args, cport)
 
     def sidecar_args(self, sock: Path) -> list[str]:
         return ["sidecar", "--socket", str(sock), "--master", self.master,

@@ -63,6 +63,11 @@ _worker_opts = [
                  default=900.0, show_default=True, show_envvar=True,
                  type=click.FloatRange(min=1), help="Seconds an engine server (vLLM) may take "
                  "to load before the worker exits with an error."),
+    click.option("--stall-timeout", envvar="MOONCAKE_STALL_TIMEOUT", default=300.0,
+                 show_default=True, show_envvar=True, type=click.FloatRange(min=1),
+                 help="Liveness: /healthz answers 503 once a call into the loaded engine has "
+                      "waited this many seconds while nothing else it serves moved (a hung "
+                      "engine); keep it above the longest prefill."),
     click.argument("engine_argv", nargs=-1, type=click.UNPROCESSED),
     click.option("--metrics-port", envvar="MOONCAKE_METRICS_PORT", default=d.WORKER_METRICS_PORT,
                  show_default=True, show_envvar=True, type=click.IntRange(-1, 65535),
@@ -179,6 +184,7 @@ def _worker(role: str, o: dict[str, Any], **extra: Any) -> None:
         metrics_port=None if o["metrics_port"] < 0 else o["metrics_port"],
         instance_id=o["instance_id"] or f"{socket.gethostname()}-{os.getpid()}",
         revision=o["revision"], transport=transport, engine_kind=kind,
+        stall_timeout_s=o["stall_timeout"],
         engine_settings=engine_kind(kind).settings({
             "args": tuple(args), "ready_timeout_s": o["engine_ready_timeout"],
             "sidecar": o["sidecar"], "pd_port": o["pd_port"],
@@ -283,6 +289,21 @@ _edge_opts = [
               help="Never reuse cached KV (baseline for benchmarks).")
 @click.option("--otlp-endpoint", envvar="OTEL_EXPORTER_OTLP_ENDPOINT", default=None,
               show_envvar=True, help="Export traces over OTLP/gRPC.")
+@click.option("--metrics-port", envvar="MOONCAKE_CONDUCTOR_METRICS_PORT",
+              default=d.CONDUCTOR_METRICS_PORT, show_default=True, show_envvar=True,
+              type=click.IntRange(-1, 65535),
+              help="HTTP port for /metrics, /healthz, /readyz (no API key); 0 = any, -1 = off.")
+@click.option("--metrics-host", envvar="MOONCAKE_CONDUCTOR_METRICS_HOST", default=None,
+              show_envvar=True, help="Address the metrics port binds [default: --host].")
+@click.option("--metrics-on-api-port", is_flag=True, envvar="MOONCAKE_METRICS_ON_API_PORT",
+              show_envvar=True,
+              help="Also serve /metrics on the API port, without an API key (as before the "
+                   "metrics port existed).")
+@click.option("--shutdown-timeout", envvar="MOONCAKE_SHUTDOWN_TIMEOUT",
+              default=d.CONDUCTOR_SHUTDOWN_TIMEOUT_S, show_default=True, show_envvar=True,
+              type=click.FloatRange(min=0),
+              help="Seconds in-flight requests and streams may take to finish after SIGTERM "
+                   "(readiness turns 503 and the listener closes at once).")
 @_apply(_model_opts)
 @_apply(_sched_opts)
 @_apply(_edge_opts)
@@ -294,6 +315,8 @@ def conductor(**o: Any) -> None:
         raise click.BadParameter(f"{o['max_body_size']} bytes is too small (at least 1KiB)",
                                  param_hint="--max-body-size")
     o["host"] = _check_bind(o["host"], o["allow_any_address"])
+    if o["metrics_host"]:
+        o["metrics_host"] = _check_bind(o["metrics_host"], o["allow_any_address"])
     from mooncake_k8s.common.logs import setup_logging
     from mooncake_k8s.common.tracing import setup_tracing
     from mooncake_k8s.conductor.http.bodies import EdgeLimits
@@ -311,6 +334,9 @@ def conductor(**o: Any) -> None:
         limits=EdgeLimits(max_body_bytes=o["max_body_size"],
                           header_timeout_s=o["header_timeout"], body_timeout_s=o["body_timeout"],
                           idle_timeout_s=o["idle_timeout"]),
+        metrics_port=None if o["metrics_port"] < 0 else o["metrics_port"],
+        metrics_host=o["metrics_host"], metrics_on_api_port=o["metrics_on_api_port"],
+        shutdown_timeout_s=o["shutdown_timeout"],
     ))
 
 

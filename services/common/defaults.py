@@ -15,6 +15,9 @@ process of one cluster must use the same value (it is part of the block key name
 
 CONDUCTOR_PORT = 8000
 """The Conductor's OpenAI-compatible HTTP API."""
+CONDUCTOR_METRICS_PORT = 9093
+"""The Conductor's /metrics (and /healthz, /readyz): apart from the API, so that scraping needs
+no API key and a NetworkPolicy can open the two to different clients."""
 MASTER_PORT = 50051
 """The store master's gRPC port."""
 MASTER_FAST_PORT = 50052
@@ -49,5 +52,12 @@ HA_LEASE_MS = 2000
 """The HA leader's lease in Redis: a dead leader is replaced about this long after it stopped."""
 JOURNAL_KEEP_S = 30.0
 """How long the HA commit journal keeps an entry."""
+CONDUCTOR_SHUTDOWN_TIMEOUT_S = 60.0
+"""After SIGTERM the Conductor finishes in-flight requests and streams for at most this long."""
+CONDUCTOR_GRACE_S = 120
+"""A Conductor pod's terminationGracePeriodSeconds unless the spec says otherwise: the preStop
+pause, the drain above and a margin must fit in it."""
+CONDUCTOR_PRESTOP_S = 5
+"""The Conductor pod's preStop pause: endpoints drop the pod before SIGTERM closes its listener."""
 CLIENT_TIMEOUT_S = 10.0
 """A store client's whole-call timeout (each transfer attempt has a far shorter one)."""

@@ -1,4 +1,17 @@
-"""The Conductor process: instance pools, the store client, the tokenizer and the HTTP server."""
+"""The Conductor process: instance pools, the store client, the tokenizer and the HTTP servers.
+
+Two listeners: the OpenAI API (`port`) and, apart from it, /metrics with /healthz and /readyz
+(`metrics_port`), so that scraping needs no API key and exposing the API exposes nothing else.
+
+The tokenizer must be the workers' (`common.tokenizer_id`): the pools route only to instances
+whose reported tokenizer fingerprint equals the Conductor's, and /readyz says why when none does.
+
+Shutdown (SIGTERM or SIGINT) drains: readiness turns 503 first, the API listener closes (new
+connections are refused) and idle kept-alive connections with it, requests and streams in flight
+run to their end for at most `shutdown_timeout_s`, then everything stops and the process exits 0.
+A second signal ends the wait at once. In Kubernetes a preStop pause comes before the SIGTERM,
+so endpoints stop sending new connections before the listener closes.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +25,14 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from mooncake_k8s.common import defaults
-from mooncake_k8s.conductor.http.api import Frontend, load_api_keys, make_app, max_token_bytes
+from mooncake_k8s.common.tokenizer_id import tokenizer_fingerprint
+from mooncake_k8s.conductor.http.api import (
+    Frontend,
+    load_api_keys,
+    make_app,
+    make_ops_app,
+    max_token_bytes,
+)
 from mooncake_k8s.conductor.http.bodies import EdgeLimits
 from mooncake_k8s.conductor.http.listener import HeaderDeadlines
 from mooncake_k8s.conductor.metrics import ConductorMetrics
@@ -57,6 +77,14 @@ class ConductorConfig:
     """With either set, requests predicted to miss it are refused up front (429)."""
     limits: EdgeLimits = field(default_factory=EdgeLimits)
     """Body size, JSON depth and connection timeouts of the HTTP front door."""
+    metrics_port: int | None = defaults.CONDUCTOR_METRICS_PORT
+    """/metrics, /healthz and /readyz; 0 = any free port, None = no metrics listener."""
+    metrics_host: str | None = None
+    """Where the metrics listener binds (default: `host`)."""
+    metrics_on_api_port: bool = False
+    """Also answer /metrics on the API port (how it was before the metrics port existed)."""
+    shutdown_timeout_s: float = defaults.CONDUCTOR_SHUTDOWN_TIMEOUT_S
+    """After SIGTERM, how long in-flight requests and streams may take to finish."""
 
 
 class Conductor:
@@ -86,10 +114,13 @@ class Conductor:
                                          self.metrics.header_timeouts.inc)
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
+        self._ops: web.AppRunner | None = None
+        self._tokenizer_task: asyncio.Task[None] | None = None
         self.port = 0
+        self.metrics_port: int | None = None
 
     async def start(self) -> None:
-        asyncio.get_running_loop().run_in_executor(None, self._load_tokenizer)
+        self._tokenizer_task = asyncio.create_task(self._load_tokenizer())
         if self.store is not None and self.config.use_prefix_cache:
             self._feeder = IndexFeeder(self.index, self.store, asyncio.get_running_loop())
             self._feeder.start()
@@ -98,7 +129,9 @@ class Conductor:
         # handler_cancellation: a client that hangs up cancels its handler, and with it the
         # gRPC calls, even while nothing is being written (prefill, a non-streamed request).
         # auto_decompress off: compressed bodies are refused (415), never inflated.
-        self._runner = web.AppRunner(make_app(self.frontend, self.deadlines),
+        await self._start_metrics()
+        self._runner = web.AppRunner(make_app(self.frontend, self.deadlines,
+                                              with_metrics=self.config.metrics_on_api_port),
                                      handler_cancellation=True)
         await self._runner.setup()
         self._listener = await self.deadlines.serve(
@@ -107,16 +140,64 @@ class Conductor:
         sockets = list(self._listener.sockets)
         self.port = sockets[0].getsockname()[1] if sockets else self.config.port
 
-    def _load_tokenizer(self) -> None:
-        try:
+    async def _start_metrics(self) -> None:
+        if self.config.metrics_port is None:
+            return
+        self._ops = web.AppRunner(make_ops_app(self.frontend), access_log=None)
+        await self._ops.setup()
+        site = web.TCPSite(self._ops, self.config.metrics_host or self.config.host,
+                           self.config.metrics_port, reuse_address=True)
+        await site.start()
+        bound = self._ops.addresses  # the port actually bound, when 0 asked for any
+        self.metrics_port = int(bound[0][1]) if bound else self.config.metrics_port
+
+    async def _load_tokenizer(self) -> None:
+        """Off the event loop (seconds for a large vocabulary); the pools learn the fingerprint
+        before the front door gets the tokenizer, so no request is routed unchecked."""
+        def load() -> tuple[Any, str, int | None]:
             tokenizer = load_tokenizer(self.config.engine)
-            self.frontend.max_token_bytes = max_token_bytes(tokenizer)
-            self.frontend.tokenizer = tokenizer
+            return tokenizer, tokenizer_fingerprint(tokenizer), max_token_bytes(tokenizer)
+
+        try:
+            tokenizer, fp, per_token = await asyncio.get_running_loop().run_in_executor(
+                None, load)
         except Exception as e:
             self.frontend.tokenizer_error = f"{type(e).__name__}: {e}"
             log.exception("tokenizer failed to load")
+            return
+        self.frontend.tokenizer_source = self.config.engine.model or "the built-in model"
+        self.frontend.tokenizer_fingerprint = fp
+        self.prefills.expect_tokenizer(fp)
+        self.decodes.expect_tokenizer(fp)
+        self.frontend.max_token_bytes = per_token
+        self.frontend.tokenizer = tokenizer
+        log.info("tokenizer loaded", extra={"source": self.frontend.tokenizer_source,
+                                            "fingerprint": fp})
+
+    async def drain(self, timeout_s: float, hurry: asyncio.Event | None = None) -> None:
+        """Readiness off, API listener closed, in-flight requests given `timeout_s` to end
+        (or until `hurry` is set)."""
+        self.frontend.draining = True
+        if self._listener is not None:
+            self._listener.close()  # synchronous: after this, connecting is refused
+        idle = self.deadlines.close_idle()
+        busy = self.deadlines.busy_connections
+        log.info("conductor draining", extra={"in_flight": busy, "idle_closed": idle,
+                                              "timeout_s": timeout_s})
+        waits: list[asyncio.Future[Any]] = [asyncio.ensure_future(self.deadlines.drained())]
+        if hurry is not None:
+            waits.append(asyncio.ensure_future(hurry.wait()))
+        _, pending = await asyncio.wait(waits, timeout=timeout_s,
+                                        return_when=asyncio.FIRST_COMPLETED)
+        for t in pending:
+            t.cancel()
+        left = self.deadlines.busy_connections
+        if left:
+            log.warning("stopping with requests still in flight", extra={"in_flight": left})
 
     async def stop(self) -> None:
+        if self._tokenizer_task is not None:
+            self._tokenizer_task.cancel()
         if self._feeder is not None:
             self._feeder.stop()
         if self._listener is not None:
@@ -127,6 +208,8 @@ class Conductor:
         await self.decodes.close()
         if self.store is not None:
             self.store.close()
+        if self._ops is not None:
+            await self._ops.cleanup()
 
 
 def load_tokenizer(engine: EngineConfig) -> Any:
@@ -145,12 +228,18 @@ def run_conductor(config: ConductorConfig) -> None:
         await conductor.start()
         log.info("conductor listening",
                  extra={"address": f"{config.host}:{conductor.port}",
+                        "metrics_port": conductor.metrics_port,
                         "auth": conductor.frontend.api_keys is not None})
-        done = asyncio.Event()
+        done, hurry = asyncio.Event(), asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            (hurry if done.is_set() else done).set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, done.set)
+            loop.add_signal_handler(sig, on_signal)
         await done.wait()
+        await conductor.drain(config.shutdown_timeout_s, hurry)
         log.info("conductor stopping")
         await conductor.stop()
 

@@ -79,6 +79,11 @@ class Frontend:
         self.use_prefix_cache = use_prefix_cache
         self.tokenizer: Any = None
         self.tokenizer_error: str | None = None
+        self.tokenizer_fingerprint = ""
+        self.tokenizer_source = ""
+        """Where the tokenizer came from (a model directory, or the built-in model's name)."""
+        self.draining = False
+        """Set on SIGTERM: /readyz says 503 while in-flight requests finish."""
         self.max_token_bytes: int | None = None
         """The most bytes of text one token covers (`max_token_bytes`), None = unknown."""
 
@@ -97,33 +102,70 @@ class Frontend:
         return min(ctx) if ctx else 0
 
     def not_ready(self) -> str | None:
+        if self.draining:
+            return "shutting down: finishing in-flight requests"
         if self.tokenizer_error:
             return f"tokenizer failed to load: {self.tokenizer_error}"
         if self.tokenizer is None:
             return "loading the tokenizer"
-        if not self.pipeline.prefills.usable():
-            return "no prefill instance is ready"
-        if not self.pipeline.decodes.usable():
-            return "no decode instance is ready"
+        for pool in (self.pipeline.prefills, self.pipeline.decodes):
+            if not pool.usable():
+                return self.tokenizer_mismatch(pool.role) or f"no {pool.role} instance is ready"
         return None
+
+    def tokenizer_mismatch(self, role: str) -> str | None:
+        """Why no instance of `role` is routed to, when the reason is their tokenizer."""
+        pool = self.pipeline.prefills if role == "prefill" else self.pipeline.decodes
+        bad = pool.mismatched()
+        if not bad or bad[0].report is None:
+            return None
+        r = bad[0].report
+        return (f"tokenizer mismatch: the Conductor's tokenizer ({self.tokenizer_source}, "
+                f"fingerprint {self.tokenizer_fingerprint[:16]}) is not the one {role} "
+                f"instance {r.instance_id} serves (model {r.model!r}, fingerprint "
+                f"{r.tokenizer_fingerprint[:16]}); {len(bad)} {role} instance(s) differ. Give "
+                "the Conductor the workers' model (--model / MOONCAKE_MODEL)")
+
+    def conditions(self) -> list[dict[str, str]]:
+        """/readyz's JSON form: machine-readable reasons (Kubernetes condition shape)."""
+        reason = self.not_ready()
+        ready = {"type": "Ready", "status": "False" if reason else "True",
+                 "reason": "NotReady" if reason else "Ready", "message": reason or ""}
+        bad = [m for m in map(self.tokenizer_mismatch, ("prefill", "decode")) if m]
+        if self.tokenizer is None:
+            tok = {"status": "Unknown", "reason": "TokenizerLoading",
+                   "message": self.tokenizer_error or "loading the tokenizer"}
+        elif bad:
+            tok = {"status": "False", "reason": "TokenizerMismatch", "message": bad[0]}
+        else:
+            tok = {"status": "True", "reason": "TokenizerMatches",
+                   "message": f"{self.tokenizer_source} ({self.tokenizer_fingerprint[:16]})"}
+        return [ready, {"type": "TokenizerMatchesWorkers", **tok}]
 
     # -- routes ----------------------------------------------------------------------------
 
-    def routes(self) -> list[web.RouteDef]:
+    def routes(self, with_metrics: bool = True) -> list[web.RouteDef]:
         return [
-            web.get("/healthz", self.healthz),
-            web.get("/readyz", self.readyz),
-            web.get("/metrics", self.metrics_handler),
+            *self.ops_routes(with_metrics),
             web.get("/v1/models", self.models),
             web.post("/v1/chat/completions", self.chat),
             web.post("/v1/completions", self.completions),
         ]
 
+    def ops_routes(self, with_metrics: bool = True) -> list[web.RouteDef]:
+        """Health, readiness and (optionally) metrics: what the metrics port serves."""
+        ops = [web.get("/healthz", self.healthz), web.get("/readyz", self.readyz)]
+        return [*ops, web.get("/metrics", self.metrics_handler)] if with_metrics else ops
+
     async def healthz(self, _r: web.Request) -> web.Response:
         return web.Response(text="ok\n")
 
-    async def readyz(self, _r: web.Request) -> web.Response:
+    async def readyz(self, request: web.Request) -> web.Response:
         reason = self.not_ready()
+        if "application/json" in request.headers.get("Accept", ""):
+            return web.json_response({"ready": reason is None, "reason": reason,
+                                      "conditions": self.conditions()},
+                                     status=503 if reason else 200)
         if reason:
             return web.Response(status=503, text=f"not ready: {reason}\n")
         return web.Response(text="ready\n")
@@ -188,7 +230,7 @@ class Frontend:
     async def _prepare(self, req: _Common, kind: Endpoint,
                        tenant: str) -> tuple[Generation, int]:
         name = self.model_name()
-        if name is None or self.tokenizer is None:
+        if name is None or self.tokenizer is None or self.draining:
             raise ApiError(503, f"not ready: {self.not_ready()}", type_="server_error")
         if req.model != name:
             raise ApiError(404, f"The model '{req.model}' does not exist; this server serves "
@@ -440,13 +482,21 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return web.json_response(err.body(), status=500)
 
 
-def make_app(frontend: Frontend, deadlines: HeaderDeadlines | None = None
-             ) -> web.Application:
-    """The application; with `deadlines`, serve it with `deadlines.serve` (see `listener`)."""
+def make_app(frontend: Frontend, deadlines: HeaderDeadlines | None = None,
+             with_metrics: bool = True) -> web.Application:
+    """The application; with `deadlines`, serve it with `deadlines.serve` (see `listener`).
+    `with_metrics` False leaves /metrics to the metrics port (`make_ops_app`)."""
     middlewares: list[Any] = [_errors]
     if deadlines is not None:
         middlewares.insert(0, deadlines.middleware)
     app = web.Application(middlewares=middlewares,
                           client_max_size=frontend.limits.max_body_bytes)
-    app.add_routes(frontend.routes())
+    app.add_routes(frontend.routes(with_metrics))
+    return app
+
+
+def make_ops_app(frontend: Frontend) -> web.Application:
+    """/metrics, /healthz and /readyz for the metrics port: no API key, no request bodies."""
+    app = web.Application(middlewares=[_errors], client_max_size=1024)
+    app.add_routes(frontend.ops_routes())
     return app

@@ -47,6 +47,25 @@ class HeaderDeadlines:
     def open_connections(self) -> int:
         return len(self._guards)
 
+    @property
+    def busy_connections(self) -> int:
+        """Connections whose request is being handled (a stream counts until its last byte)."""
+        return sum(g.state == _BUSY for g in self._guards.values())
+
+    async def drained(self, poll_s: float = 0.05) -> None:
+        """Return once no request is being handled (the caller bounds the wait)."""
+        while self.busy_connections:
+            await asyncio.sleep(poll_s)
+
+    def close_idle(self) -> int:
+        """Close kept-alive connections that wait for a next request (on shutdown: their
+        clients reconnect, to another replica once the listener is closed). Returns how many."""
+        idle = [g for g in self._guards.values() if g.state == _IDLE and g.transport is not None]
+        for g in idle:
+            assert g.transport is not None
+            g.transport.close()
+        return len(idle)
+
     async def serve(self, runner: web.BaseRunner, host: str, port: int,
                     **handler_args: Any) -> asyncio.Server:
         """Listen on host:port with `runner`'s server behind the deadlines (in place of a

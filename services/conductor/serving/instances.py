@@ -38,6 +38,8 @@ class Instance:
     last_error: str = ""
     inflight: int = 0
     inflight_tokens: int = 0
+    tokenizer: str = ""
+    """The Conductor's tokenizer fingerprint ("" until it is loaded)."""
     _stub: Any = None
 
     @property
@@ -51,7 +53,16 @@ class Instance:
     @property
     def usable(self) -> bool:
         r = self.report
-        return self.healthy and r is not None and r.ready and not r.draining
+        return (self.healthy and r is not None and r.ready and not r.draining
+                and not self.tokenizer_mismatch)
+
+    @property
+    def tokenizer_mismatch(self) -> bool:
+        """The instance serves a model whose tokenizer is not the Conductor's: the ids the
+        Conductor sends would mean other words there, so it is never routed to."""
+        r = self.report
+        return bool(self.tokenizer and r is not None and r.tokenizer_fingerprint
+                    and r.tokenizer_fingerprint != self.tokenizer)
 
     @property
     def instance_id(self) -> str:
@@ -89,6 +100,17 @@ class InstancePool:
         self._timeout = rpc_timeout_s
         self._task: asyncio.Task[None] | None = None
         self.changed = asyncio.Event()
+        self.tokenizer = ""
+
+    def expect_tokenizer(self, fingerprint: str) -> None:
+        """Route only to instances whose tokenizer has this fingerprint (or reports none)."""
+        self.tokenizer = fingerprint
+        for inst in self.instances.values():
+            inst.tokenizer = fingerprint
+        self.changed.set()
+
+    def mismatched(self) -> list[Instance]:
+        return [i for i in self.instances.values() if i.tokenizer_mismatch]
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -137,7 +159,7 @@ class InstancePool:
                 ch = grpc.aio.insecure_channel(a, options=[
                     ("grpc.max_receive_message_length", _MAX_MSG),
                     ("grpc.max_send_message_length", _MAX_MSG)])
-                self.instances[a] = Instance(a, self.role, ch)
+                self.instances[a] = Instance(a, self.role, ch, tokenizer=self.tokenizer)
         await asyncio.gather(*(self._poll(i) for i in self.instances.values()))
         self.changed.set()
 
