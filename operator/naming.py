@@ -38,7 +38,7 @@ ANNOTATION_SEED = "mooncake.io/seeded-replicas"
 
 # Container ports. The CLI defaults, fixed so Services and NetworkPolicies can name them.
 PORTS: dict[str, dict[str, int]] = {
-    "conductor": {"http": d.CONDUCTOR_PORT},
+    "conductor": {"http": d.CONDUCTOR_PORT, "metrics": d.CONDUCTOR_METRICS_PORT},
     "prefill": {"grpc": d.PREFILL_PORT, "metrics": d.WORKER_METRICS_PORT},
     "decode": {"grpc": d.DECODE_PORT, "metrics": d.WORKER_METRICS_PORT},
     "store": {"transfer": d.NODE_TRANSFER_PORT, "metrics": d.NODE_METRICS_PORT},
@@ -55,7 +55,7 @@ SGLANG_PORTS: dict[str, dict[str, int]] = {
 # Ports only pods of the same cluster may reach (the rest is the API or metrics).
 INTERNAL_PORTS = {"prefill": ("grpc",), "decode": ("grpc",), "store": ("transfer",),
                   "master": ("grpc", "fast"), "conductor": ()}
-METRICS_PORT = {"conductor": "http", "prefill": "metrics", "decode": "metrics",
+METRICS_PORT = {"conductor": "metrics", "prefill": "metrics", "decode": "metrics",
                 "store": "metrics", "master": "metrics"}
 
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")

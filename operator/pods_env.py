@@ -10,6 +10,7 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
+from mooncake_k8s.common import defaults as d
 from mooncake_k8s.operator import naming, pods_sizing, pods_volumes
 from mooncake_k8s.operator.pods_context import (
     CACHE_DIR,
@@ -52,6 +53,12 @@ def served_model_name(spec: Obj) -> str:
     return BUILTIN_MODEL_NAME
 
 
+def conductor_drain_seconds(grace: int) -> int:
+    """How long the Conductor lets streams finish after SIGTERM: the pod's grace period less
+    the preStop pause and a margin for stopping, so the kubelet's SIGKILL never cuts it."""
+    return max(1, grace - d.CONDUCTOR_PRESTOP_S - 5)
+
+
 def role_env(ctx: Ctx, role: str) -> tuple[list[Obj], list[str]]:
     """Role-specific environment and container args."""
     spec, p = ctx.spec, naming.PORTS[role]
@@ -91,10 +98,19 @@ def role_env(ctx: Ctx, role: str) -> tuple[list[Obj], list[str]]:
             host = naming.service_fqdn(naming.name(ctx.cluster, r), ctx.namespace, ctx.domain)
             return f"dns:{host}:{naming.PORTS[r]['grpc']}"
 
+        grace = spec["roles"]["conductor"]["terminationGracePeriodSeconds"]
         env = [env_var("MOONCAKE_CONDUCTOR_PORT", p["http"]),
+               # Metrics on the pod IP only: Prometheus scrapes it, the API stays apart.
+               env_var("MOONCAKE_CONDUCTOR_METRICS_PORT", p["metrics"]),
+               env_var("MOONCAKE_CONDUCTOR_METRICS_HOST", "$(MOONCAKE_POD_IP)"),
+               env_var("MOONCAKE_SHUTDOWN_TIMEOUT", conductor_drain_seconds(grace)),
                env_var("MOONCAKE_MASTER", ctx.master_addr),
                env_var("MOONCAKE_PREFILL", dns("prefill")),
                env_var("MOONCAKE_DECODE", dns("decode")),
+               # The workers' model (its tokenizer) and name: the Conductor tokenises for them.
+               env_var("MOONCAKE_MODEL", pods_volumes.conductor_model_source(ctx).path),
+               env_var("MOONCAKE_SERVED_MODEL_NAME", served_model_name(spec)),
+               env_var("HF_HUB_OFFLINE", 1),
                env_var("MOONCAKE_TTFT_SLO_MS", spec["slo"]["ttftMs"]),
                env_var("MOONCAKE_TBT_SLO_MS", spec["slo"]["tbtMs"])]
         if spec["roles"]["conductor"].get("apiKeysSecret"):

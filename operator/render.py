@@ -234,8 +234,9 @@ def _pdb(meta: _Meta, spec: Obj, role: str) -> Obj:
 def _network_policy(meta: _Meta, role: str) -> Obj:
     metrics = naming.METRICS_PORT[role]
     ingress: list[Obj] = [
-        # Anyone may scrape metrics (and call the Conductor's API, which is the same port).
-        {"ports": [{"protocol": "TCP", "port": naming.PORTS[role][metrics]}]},
+        # Anyone may scrape metrics (and call the Conductor's API: its `http` port).
+        {"ports": [{"protocol": "TCP", "port": naming.PORTS[role][name]}
+                   for name in (("http", metrics) if role == "conductor" else (metrics,))]},
     ]
     if role != "conductor":
         # Data and control ports: only pods of this cluster. All ports, because transfer
