@@ -1,7 +1,9 @@
 """The store client: put / get / get_into / exists / remove over the master and transfer engine.
 
-The protocol is visible in the calls: `PutStart` (the master allocates), the client writes the
-bytes itself, then `PutEnd` (publish) or `PutRevoke` (free). Reads ask the master for replicas
+The protocol is visible in the calls: a put writes into an extent the master leased to the
+client and publishes with one call (`spacewriter`), or takes the classic two phases, `PutStart`
+(the master allocates), the client writes the bytes itself, then `PutEnd` (publish) or
+`PutRevoke` (free) (`classic`). Reads ask the master for replicas
 and a read lease, then copy straight into the caller's buffer from the nearest replica (shm on
 the same host, else tcp), verifying the xxh3-64 checksum recorded at put time. Any replica that
 fails, or whose bytes do not verify, is skipped; when none is left the answer is a miss
@@ -28,7 +30,6 @@ is still verified on every read.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -43,14 +44,13 @@ from mooncake_k8s.common.buffers import byte_view
 from mooncake_k8s.common.errors import (
     BufferTooSmall,
     InvalidArgument,
-    ObjectExists,
     ObjectNotFound,
-    StoreError,
     TransferError,
 )
 from mooncake_k8s.common.netutil import local_host_id
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.store.client.errors import end_errors, retryable, rpc_error, start_error
+from mooncake_k8s.store.client.classic import ClassicWriter
+from mooncake_k8s.store.client.errors import retryable, rpc_error
 from mooncake_k8s.store.client.failover import PeerHealth
 from mooncake_k8s.store.client.masterlink import MasterLink, trailers_of
 from mooncake_k8s.store.client.spacewriter import LEASE_BYTES, RETRY, SpaceWriter
@@ -148,6 +148,7 @@ class StoreClient:
         )
         self._spaces = SpaceWriter(
             self._call, self._write_checksummed, located, self._host_id, space_lease_bytes)
+        self._classic = ClassicWriter(self._call, self._write_checksummed, self._host_id)
 
     def close(self) -> None:
         self._spaces.close()
@@ -205,11 +206,11 @@ class StoreClient:
         shape = (replicas, _PLACEMENTS[placement], preferred_segment or "")
         fast = self._spaces.put(keys, views, shape)
         if fast is None:
-            return self._put_classic(keys, views, replicas, placement, preferred_segment)
+            return self._classic.put(keys, views, *shape)
         again = [i for i, r in enumerate(fast) if r is RETRY]
         if again:
-            redo = self._put_classic([keys[i] for i in again], [views[i] for i in again],
-                                     replicas, placement, preferred_segment)
+            redo = self._classic.put([keys[i] for i in again], [views[i] for i in again],
+                                     *shape)
             for i, r in zip(again, redo, strict=True):
                 fast[i] = r
         return fast
@@ -222,91 +223,6 @@ class StoreClient:
             raise
         assert got is not None
         return got
-
-    def _put_classic(
-        self, keys: Sequence[str], views: Sequence[memoryview], replicas: int, placement: str,
-        preferred_segment: str | None,
-    ) -> list[Exception | None]:
-        """PutStart (the master allocates), write, PutEnd: two round trips per batch."""
-        reqs = [
-            pb.PutStartRequest(  # (batch_put validated placement and sizes)
-                key=k, size=len(v), replicas=replicas, placement=_PLACEMENTS[placement],
-                preferred_segment=preferred_segment or "", client_host_id=self._host_id,
-            )
-            for k, v in zip(keys, views, strict=True)
-        ]
-        results: list[Exception | None] = [None] * len(keys)
-        try:
-            if len(reqs) == 1:
-                starts = [pb.PutStartResult(ok=self._call("PutStart", reqs[0]))]
-            else:
-                starts = list(
-                    self._call("BatchPutStart", pb.BatchPutStartRequest(items=reqs)).results
-                )
-        except StoreError as e:
-            return [e] * len(keys)
-        # (peer address) -> list of (index, WriteOp); each object's first replica computes its
-        # checksum while it copies, the others just copy.
-        by_peer: dict[str, tuple[Peer, list[tuple[int, WriteOp]]]] = {}
-        pending: list[int] = []
-        for i, res in enumerate(starts):
-            if res.error:
-                results[i] = start_error(keys[i], res.code, res.error)
-                continue
-            if res.ok.exists:
-                how = "is being written by another client" if res.ok.in_progress else (
-                    "already exists")
-                results[i] = ObjectExists(f"object {keys[i]!r} {how}")
-                continue
-            pending.append(i)
-            for r in res.ok.replicas:
-                loc = location(r)
-                entry = by_peer.setdefault(loc.peer.address, (loc.peer, []))
-                entry[1].append((i, WriteOp(loc.segment, loc.offset, views[i])))
-        sums: dict[int, int] = {}
-        failed: set[int] = set()
-        for peer, items in by_peer.values():
-            try:
-                got = self.engine.write(peer, [op for _, op in items], with_checksum=True)
-            except TransferError as e:
-                self._failed(peer)
-                for i, _ in items:
-                    failed.add(i)
-                    results[i] = e
-                continue
-            assert got is not None
-            for (i, _), s in zip(items, got, strict=True):
-                sums.setdefault(i, s)
-        for i in pending:
-            if i in failed:
-                self._revoke(keys[i], starts[i].ok.put_id)
-        written = [i for i in pending if i not in failed]
-        ends = [
-            pb.PutEndRequest(key=keys[i], put_id=starts[i].ok.put_id, checksum=sums[i])
-            for i in written
-        ]
-        if ends:
-            errors: list[Exception | None]
-            try:
-                if len(ends) == 1:
-                    self._call("PutEnd", ends[0])
-                    errors = [None]
-                else:
-                    batch = pb.BatchPutEndRequest(items=ends)
-                    resp = self._call("BatchPutEnd", batch)
-                    errors = list(end_errors([keys[i] for i in written], resp))
-            except ObjectExists as e:  # another put of the key ended first: it is stored
-                errors = [e]
-            except StoreError as e:
-                errors = [StoreError(f"publishing {keys[i]!r}: {e}") for i in written]
-            for i, err in zip(written, errors, strict=False):
-                results[i] = err
-        return results
-
-    def _revoke(self, key: str, put_id: int) -> None:
-        # On failure the master reclaims the space after its put timeout anyway.
-        with contextlib.suppress(StoreError):
-            self._call("PutRevoke", pb.PutRevokeRequest(key=key, put_id=put_id))
 
     # -- reads -----------------------------------------------------------------------------
 
