@@ -1,7 +1,7 @@
 """The master's records: nodes, segments, objects, puts, leases, copies, and their wire forms.
 
 Plain data with `__slots__` and the pure encoders that turn a record into protobuf bytes. No
-locks, no I/O: only `metadata.MasterState` creates and mutates these, under its one lock.
+locks, no I/O: only `state.MasterState` and its parts create and mutate these, under its one lock.
 
 The per-object footprint is what bounds how many keys one master holds, so an object is one
 small record (`Obj`) with no list, dict, set or cache of its own: its replica is inline, the
@@ -151,7 +151,7 @@ TAIL_FIXED = 14  # bytes of a single-replica tail besides offset and size: tags,
 
 class Obj:
     """A committed object in as few bytes as Python allows (the master's memory is its size
-    times the number of objects; see `metadata.BYTES_PER_OBJECT`).
+    times the number of objects; see `state.BYTES_PER_OBJECT`).
 
     One replica (the common case): `at` is its Segment and `tail` its own part of the lookup
     answer (`Segment.tail`), so a lookup is `at.head + tail` and offset, size and checksum are

@@ -1,6 +1,6 @@
 """The store master's whole logic as plain Python: nodes, objects, puts, leases, eviction.
 
-`MasterState` holds no sockets and no threads. The gRPC shell (`master.py`) calls it from many
+`MasterState` holds no sockets and no threads. The gRPC shell (`server.py`) calls it from many
 threads, so every public method takes the one state lock; tests drive it directly with a fake
 clock. Messages that cross the wire (replica descriptions, node commands, block events) are
 built here as protobuf messages because that is what they are; nothing here imports grpc.
