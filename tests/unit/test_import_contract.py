@@ -1,129 +1,186 @@
-"""The import contract of `services/` (docs/architecture.md, layout): checked on every module's
-direct imports, so a new reach into another component's internals fails here.
+"""The import contract of `mooncake_k8s` as data: `[tool.importlinter]` in pyproject.toml,
+checked here by import-linter (docs/architecture.md, "Layers", draws it).
 
-- nothing outside tests imports a `testing` module (the harnesses ship in the package for
-  tests, benchmarks and `mooncake store demo`, which shows the harness at work; never for the
-  product's own processes);
-- no component imports another component's *server* (the store master and its state, the
-  storage node, the sidecar server, the Conductor's HTTP front and serving path, the prefill
-  and decode services); only the entry points (`cli*`, `up`) start servers. What still breaks
-  the rule is listed in KNOWN with its reason, so the debt stays visible and cannot grow;
+The contracts say, on every module's imports:
+
+- the layers: cli (with the operator beside it) > up > supervise > conductor > prefill | decode
+  > worker > engine > sidecar > store > transfer > common; each imports only what is below it,
+  prefill and decode not each other, and every top-level module has a layer;
+- the operator imports only `common` of ours; only the command line imports it;
+- the store's master knows neither its client nor its storage node (they meet on the wire);
+- no component imports another component's *server* (the store master and node, the sidecar
+  server, the Conductor's HTTP front, serving path and service, the prefill and decode
+  services): only the entry points (`cli`, `up`, `supervise`) start servers;
 - the Conductor is layered by the request's direction of travel: `conductor.sched` is pure
-  (only `common` and itself of ours; no gRPC, aiohttp, metrics or store client), `serving`
-  never imports `http`, and `conductor.tools` (calibrate, analyze, the simulator) is imported
-  by no server module.
+  (only `common` and itself of ours; no gRPC, aiohttp, metrics, sockets, threads, event loop,
+  Redis or store client), `serving` never imports `http`, and `conductor.tools` (calibrate,
+  analyze, the simulator) is imported by no server module;
+- nothing outside tests imports a `testing` module (the harnesses ship in the package for
+  tests and benchmarks, never for the product's own processes).
+
+grimp cannot follow the editable install (`mooncake_k8s` is mapped from services/ and
+operator/), so the check runs on a view: a folder `mooncake_k8s` of links to both, as
+scripts/typecheck.sh builds for mypy. `python tests/unit/test_import_contract.py` prints
+import-linter's own report.
 """
 
 from __future__ import annotations
 
-import ast
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import tomllib
 from pathlib import Path
+from typing import Any
 
-SERVICES = Path(__file__).resolve().parents[2] / "services"
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SERVICES = REPO / "services"
+CONFIG = REPO / "pyproject.toml"
 ENTRY_POINTS = {"cli", "up", "supervise"}
 """Top-level modules and packages that start servers (the `mooncake` CLI and `mooncake up`)."""
-TOOLS = {"testing", "demo"}
-"""Modules that may use the test harnesses."""
-SERVERS = {
-    "store": {"master", "node"},
-    "sidecar": {"server"},
-    "conductor": {"http", "serving", "service"},
-    "prefill": {"service"},
-    "decode": {"service"},
-}
-KNOWN: set[tuple[str, str]] = set()
-"""Violations still to fix, each with its reason (none now: the decode worker's local segment
-goes through the store's public embedding API, `store.local`)."""
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(SERVICES).with_suffix("").parts
-    if parts[-1] == "__init__":
-        parts = parts[:-1]
-    return ".".join(("mooncake_k8s", *parts))
-
-
-def imports(path: Path, ours_only: bool = True) -> set[str]:
-    """Absolute names of every `mooncake_k8s` module `path` imports (relative ones resolved);
-    with `ours_only=False`, every module it imports."""
-    me = module_name(path).split(".")
-    package = me if path.name == "__init__.py" else me[:-1]
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package[: len(package) - (node.level - 1)]
-                found.add(".".join([*base, node.module] if node.module else base))
-            elif node.module:
-                found.add(node.module)
-        elif isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-    return {m for m in found if m.startswith("mooncake_k8s.") or not ours_only}
-
-
-def modules() -> dict[str, set[str]]:
-    return {module_name(p): imports(p) for p in SERVICES.rglob("*.py")
-            if "rpc" not in p.parts and "cpu_path" not in p.parts}
-
-
-def test_no_product_module_imports_a_testing_module() -> None:
-    bad = sorted((m, dep) for m, deps in modules().items() for dep in deps
-                 if dep.split(".")[-1] == "testing" and m.split(".")[-1] not in TOOLS)
-    assert bad == []
-
-
-def test_no_component_imports_another_components_server() -> None:
-    graph = modules()
-    assert len(graph) > 100
-    bad = set()
-    for mod, deps in graph.items():
-        parts = mod.split(".")
-        if len(parts) == 1 or parts[1] in ENTRY_POINTS:
+def build_view(root: Path) -> Path:
+    """`root/mooncake_k8s`: links to every entry of services/ and to operator/. Returns root,
+    the folder to put on PYTHONPATH."""
+    view = root / "mooncake_k8s"
+    view.mkdir(parents=True)
+    for entry in sorted(SERVICES.iterdir()):
+        if entry.name == "__pycache__" or entry.name.endswith(".egg-info"):
             continue
-        for dep in deps:
-            d = dep.split(".")
-            if len(d) >= 3 and d[1] != parts[1] and d[2] in SERVERS.get(d[1], set()):
-                bad.add((mod, dep))
-    assert sorted(bad - KNOWN) == [], "a component reaches into another's server"
-    assert sorted(KNOWN - bad) == [], "KNOWN lists a violation that is gone: remove it"
+        (view / entry.name).symlink_to(entry)
+    (view / "operator").symlink_to(REPO / "operator")
+    return root
 
 
-def test_the_checker_sees_relative_and_absolute_imports(tmp_path: Path) -> None:
-    graph = modules()
-    assert "mooncake_k8s.store.local" in graph["mooncake_k8s.decode.service"]
-    assert "mooncake_k8s.transfer.ops" in graph["mooncake_k8s.transfer.shm"]  # `from .ops`
+def add_module(root: Path, relpath: str, text: str) -> None:
+    """Write `mooncake_k8s/<relpath>` into a view without touching the tree: each linked
+    folder on the way becomes a real folder of links first."""
+    here = root / "mooncake_k8s"
+    for part in Path(relpath).parts[:-1]:
+        here = here / part
+        if here.is_symlink():
+            target = here.resolve()
+            here.unlink()
+            here.mkdir()
+            for entry in target.iterdir():
+                if entry.name != "__pycache__":
+                    (here / entry.name).symlink_to(entry)
+    (here / Path(relpath).name).write_text(text)
 
 
-SCHED = "mooncake_k8s.conductor.sched"
-IO_LIBRARIES = {"grpc", "aiohttp", "prometheus_client", "socket", "asyncio", "threading",
-                "urllib", "http", "redis"}
+def _env(root: Path) -> dict[str, str]:
+    # PYTHONSAFEPATH: the repository's operator/ must not shadow the stdlib's `operator`.
+    return {**os.environ, "PYTHONPATH": str(root), "PYTHONSAFEPATH": "1", "COLUMNS": "400"}
 
 
-def test_the_scheduler_core_is_pure() -> None:
-    files = [p for p in SERVICES.rglob("*.py") if module_name(p).startswith(SCHED)]
-    assert len(files) >= 5
-    bad = {}
-    for p in files:
-        deps = imports(p, ours_only=False)
-        wrong = sorted(d for d in deps if (d.startswith("mooncake_k8s.")
-                                           and not d.startswith(("mooncake_k8s.common",
-                                                                 SCHED)))
-                       or d.split(".")[0] in IO_LIBRARIES)
-        if wrong:
-            bad[module_name(p)] = wrong
-    assert bad == {}
+def lint_imports(root: Path) -> tuple[int, dict[str, str], str]:
+    """Run `lint-imports` on the view at `root`: (exit code, {contract name: KEPT|BROKEN},
+    the whole report)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "from importlinter.cli import lint_imports_command as c; c()",
+         "--config", str(CONFIG), "--no-cache"],
+        cwd=REPO, env=_env(root), capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    found = dict((m.group(1), m.group(2))
+                 for m in re.finditer(r"^(.+) (KEPT|BROKEN)$", out, re.MULTILINE))
+    return proc.returncode, found, out
 
 
-def test_the_conductor_is_layered_by_the_direction_of_travel() -> None:
-    graph = modules()
-    bad = set()
-    for mod, deps in graph.items():
-        for dep in deps:
-            if (mod.startswith("mooncake_k8s.conductor.serving")
-                    and dep.startswith("mooncake_k8s.conductor.http")):
-                bad.add((mod, dep))
-            if (dep.startswith("mooncake_k8s.conductor.tools")
-                    and not mod.startswith("mooncake_k8s.conductor.tools")
-                    and mod.partition(".")[2].split(".")[0] not in ENTRY_POINTS):
-                bad.add((mod, dep))
-    assert sorted(bad) == []
+def contracts() -> list[dict[str, Any]]:
+    with CONFIG.open("rb") as f:
+        got: list[dict[str, Any]] = tomllib.load(f)["tool"]["importlinter"]["contracts"]
+    return got
+
+
+def contract(cid: str) -> dict[str, Any]:
+    return next(c for c in contracts() if c["id"] == cid)
+
+
+@pytest.fixture(scope="module")
+def view(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_view(tmp_path_factory.mktemp("view"))
+
+
+def test_the_import_contract_holds(view: Path) -> None:
+    code, found, out = lint_imports(view)
+    assert len(found) == len(contracts()) >= 10, out
+    assert {n for n, state in found.items() if state != "KEPT"} == set(), out
+    assert code == 0, out
+
+
+def test_the_checker_sees_the_whole_package_and_every_import_form(view: Path) -> None:
+    """The view holds services/ and operator/, and grimp resolves relative imports and imports
+    inside functions (the CLI's lazy ones) as the contracts need."""
+    probe = (
+        "import grimp, json\n"
+        "g = grimp.build_graph('mooncake_k8s', cache_dir=None)\n"
+        "e = lambda a, b: g.direct_import_exists(importer='mooncake_k8s.' + a,"
+        " imported='mooncake_k8s.' + b)\n"
+        "print(json.dumps({'modules': len(g.modules),"
+        " 'operator': len([m for m in g.modules if m.startswith('mooncake_k8s.operator.')]),"
+        " 'sched': len([m for m in g.modules if m.startswith('mooncake_k8s.conductor.sched.')]),"
+        " 'absolute': e('decode.service', 'store.local'),"
+        " 'relative': e('transfer.shm', 'transfer.ops'),"
+        " 'lazy': e('cli.main', 'store.demo')}))\n")
+    proc = subprocess.run([sys.executable, "-c", probe], env=_env(view), capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert got["modules"] > 150 and got["operator"] > 10 and got["sched"] >= 5
+    assert got["absolute"] and got["relative"] and got["lazy"]
+
+
+def test_the_contracts_catch_what_they_forbid(tmp_path: Path) -> None:
+    """Each contract breaks on a module that does what it forbids (so none can pass vacuously,
+    e.g. by a pattern that matches no module)."""
+    root = build_view(tmp_path)
+    add_module(root, "transfer/_probe.py",
+               "from ..store import testing  # relative\n"
+               "import mooncake_k8s.conductor.service  # absolute\n")
+    add_module(root, "conductor/sched/_probe.py",
+               "import grpc\nfrom mooncake_k8s.store import local\n")
+    add_module(root, "conductor/serving/_probe.py",
+               "def lazy():\n    from mooncake_k8s.conductor.http import api\n")
+    add_module(root, "worker/_probe.py", "from mooncake_k8s.conductor.tools import calibrate\n")
+    add_module(root, "operator/_probe.py", "from mooncake_k8s.store import local\n")
+    add_module(root, "decode/_probe.py", "from mooncake_k8s.prefill import service\n")
+    add_module(root, "store/node/_probe.py", "from mooncake_k8s.store.master import state\n")
+    add_module(root, "store/master/_probe.py", "from mooncake_k8s.store.client import client\n")
+    add_module(root, "newpart.py", "")
+    code, found, out = lint_imports(root)
+    assert code != 0
+    broken = {c["id"] for c in contracts() if found.get(str(c["name"])) == "BROKEN"}
+    assert broken == {c["id"] for c in contracts()}, out
+    assert "mooncake_k8s.newpart" in out  # exhaustive: a new top-level module needs a layer
+
+
+def test_the_forbidden_lists_name_every_part() -> None:
+    """`sched` may import only common and itself of ours, the operator only common: their
+    forbidden lists name every other part, so a part added to the layers is covered too."""
+    layers: list[str] = contract("layers")["layers"]
+    parts = {p.strip() for layer in layers for p in re.split(r"[|:]", layer)}
+    assert ENTRY_POINTS | {"common", "operator", "conductor", "store"} <= parts
+    ours = {f"mooncake_k8s.{p}" for p in parts}
+    assert set(contract("operator-beside")["forbidden_modules"]) == (
+        ours - {"mooncake_k8s.common", "mooncake_k8s.operator"})
+    conductor = {f"mooncake_k8s.conductor.{p.stem}" for p in (SERVICES / "conductor").iterdir()
+                 if p.name not in ("__init__.py", "sched", "__pycache__")}
+    assert set(contract("sched-pure-ours")["forbidden_modules"]) == (
+        ours - {"mooncake_k8s.common", "mooncake_k8s.conductor"}) | conductor
+    allowed = set(contract("servers-from-entry-points")["allowed_importers"])
+    assert {f"mooncake_k8s.{p}" for p in ENTRY_POINTS} <= allowed
+
+
+if __name__ == "__main__":
+    with tempfile.TemporaryDirectory() as tmp:
+        env = _env(build_view(Path(tmp)))
+        cmd = shutil.which("lint-imports") or "lint-imports"
+        sys.exit(subprocess.call([cmd, "--config", str(CONFIG), "--no-cache"], cwd=REPO,
+                                 env=env))
