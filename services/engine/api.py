@@ -129,13 +129,32 @@ class KVPlan:
         return min(len(self.keys), self.local_blocks + self.fetch_blocks)
 
 
+def plan_error(msg: pb.KVPlan) -> str | None:
+    """Why a plan cannot be followed in any namespace (None: it can). Such a plan is refused,
+    never half-followed: the Conductor does not make one, so its sender has a bug to see."""
+    reuse = msg.local_blocks + msg.fetch_blocks
+    if reuse > len(msg.block_keys):
+        return (f"local_blocks + fetch_blocks = {reuse} but only {len(msg.block_keys)} "
+                "block_keys")
+    if bool(msg.bootstrap_addr) != bool(msg.bootstrap_room):
+        return "paired handoff needs both bootstrap_addr and bootstrap_room, got one"
+    if msg.planned and not msg.namespace:
+        return "planned is set but namespace is empty"
+    return None
+
+
 def resolve_plan(msg: pb.KVPlan, info: EngineInfo, token_ids: Sequence[int], tenant: str,
                  use_cache: bool) -> tuple[KVPlan, bool]:
     """The plan to follow and whether the Conductor's was usable.
 
     A plan computed in another namespace (a stale report, another model) is not trusted: the
-    keys are computed here and the prefix is looked up as if no plan had come.
+    keys are computed here and the prefix is looked up as if no plan had come. A plan that
+    contradicts itself (`plan_error`) raises InvalidArgument: both services answer it with
+    INVALID_ARGUMENT, as this is the one place either of them judges a plan.
     """
+    bad = plan_error(msg)
+    if bad is not None:
+        raise InvalidArgument(f"malformed KV plan: {bad}")
     ns = info.namespace(tenant)
     ok = bool(msg.planned) and msg.namespace == ns.digest().hex() and (
         len(msg.block_keys) == len(token_ids) // info.block_tokens)

@@ -15,9 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import openai
 import pytest
 
+from mooncake_k8s.common import auth, serving_rpc
+from mooncake_k8s.common.rpc import serving_pb2 as pb
 from mooncake_k8s.store.testing import metric_value
 from mooncake_k8s.up import LocalCluster, UpConfig
 
@@ -228,6 +231,50 @@ def test_trace_spans_cross_processes(cluster: LocalCluster, client: openai.OpenA
             break
         time.sleep(0.2)
     assert full, by_trace
+
+
+def _plans(cluster: LocalCluster, role: str, n: int, outcome: str) -> float:
+    return sum(metric_value(_metrics(cluster, f"{role}-{i}"), f"mooncake_{role}_plans_total",
+                            f'outcome="{outcome}"') for i in range(n))
+
+
+def test_the_plan_reaches_decode_as_prefill_got_it(cluster: LocalCluster,
+                                                  client: openai.OpenAI) -> None:
+    """The Conductor's one KVPlan goes unchanged to prefill and to decode (DecodeRequest.plan),
+    and both judge it by the same rule: both follow it (decode loads the Conductor's keys)."""
+    before = [_plans(cluster, r, n, o) for r, n in (("prefill", 1), ("decode", 2))
+              for o in ("followed", "untrusted")]
+    r = client.completions.create(model=MODEL, prompt=_long_prompt(4, 300), max_tokens=3,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage is not None and r.usage.completion_tokens == 3
+    after = [_plans(cluster, r, n, o) for r, n in (("prefill", 1), ("decode", 2))
+             for o in ("followed", "untrusted")]
+    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 0, 1, 0]
+
+
+def test_a_malformed_plan_is_refused_by_both_workers(cluster: LocalCluster) -> None:
+    """Two blocks to reuse of one key: no namespace can make sense of it. The one place that
+    judges plans refuses it, and each worker answers INVALID_ARGUMENT naming the fault."""
+    plan = pb.KVPlan(block_keys=["0" * 32], namespace="ab" * 16, local_blocks=1,
+                     fetch_blocks=1, planned=True)
+    sampling = pb.Sampling(temperature=0, max_tokens=2)
+    md = auth.call_metadata(cluster.token)
+    host = cluster.config.host
+    prefill = pb.PrefillRequest(request_id="bad-plan-p", token_ids=[1, 2, 3],
+                                sampling=sampling, plan=plan)
+    decode = pb.DecodeRequest(request_id="bad-plan-d", token_ids=[1, 2, 3], first_token=4,
+                              sampling=sampling, plan=plan)
+    for role, port in (("prefill", cluster.prefill_ports[0]), ("decode", cluster.decode_ports[0])):
+        with grpc.insecure_channel(f"{host}:{port}") as ch, \
+                pytest.raises(grpc.RpcError) as err:
+            stub: Any = serving_rpc.stub(role, ch)
+            if role == "prefill":
+                stub.Prefill(prefill, metadata=md, timeout=60)
+            else:
+                list(stub.Decode(decode, metadata=md, timeout=60))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, role
+        assert "malformed KV plan: local_blocks + fetch_blocks = 2 but only 1" in (
+            err.value.details() or ""), role
 
 
 def test_readyz_and_metrics(cluster: LocalCluster) -> None:
