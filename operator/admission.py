@@ -4,9 +4,9 @@ cross-field rules on quantities.
 The OpenAPI schema and its CEL rules (`schema.py`) catch shapes, enums and simple comparisons.
 What is left needs code: label and nodeSelector keys (a CEL rule over map keys would cost more
 than the API server's CEL budget allows), affinity (kept free-form in the CRD because its
-schema is huge), quantities compared with each other (CEL's quantity library is missing from
-the offline interpreter), and the limits of the programs the pods run (a store node refuses
-less than 1 MiB of DRAM).
+schema is huge) and container resources compared with each other. The size and RDMA rules
+below are also CEL rules in the CRD (`schema_cel.py`, same messages), so the API server
+refuses those specs at apply time; they stay here for clusters whose CRD is older.
 
 Two callers, one list of messages `"spec.<field path>: <what is wrong>"`:
 `validation.validate_cluster` (so `mooncake render` rejects the resource before printing

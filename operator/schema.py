@@ -15,6 +15,13 @@ from typing import Any
 
 from mooncake_k8s.common import defaults as d
 from mooncake_k8s.operator import corev1
+from mooncake_k8s.operator.schema_cel import (
+    RDMA_PROTOCOL_REFUSED,
+    SHM_WHY,
+    extended_resource,
+    min_dram,
+    positive,
+)
 from mooncake_k8s.operator.schema_dsl import (
     DNS_LABEL,
     DNS_SUBDOMAIN,
@@ -77,7 +84,8 @@ def _model() -> Schema:
                         "Size limit of the emptyDir the model is downloaded into; prefill and "
                         "decode containers (and the download) request as much "
                         "ephemeral-storage, so pods land on nodes with room for the model.",
-                        default="64Gi"),
+                        default="64Gi",
+                        rules=(positive("the model cannot be downloaded into 0 bytes"),)),
                     "cacheClaimName": string(
                         "Download into this PersistentVolumeClaim instead of a per-pod emptyDir "
                         "(a ReadWriteMany claim when pods span nodes): the first pod's init "
@@ -220,7 +228,8 @@ def _engine() -> Schema:
                 "(spec.initContainers, name `sidecar`).",
                 {"stagingSize": size("Shared-memory staging segment of the sidecar (in the "
                                      "pod's /dev/shm, which grows by as much).",
-                                     default=SIDECAR_STAGING_DEFAULT),
+                                     default=SIDECAR_STAGING_DEFAULT, rules=(positive(
+                                         "the sidecar cannot stage KV blocks in 0 bytes"),)),
                  "resources": helper_resources(
                      "sidecar", "requests cpu 100m and memory stagingSize + 128Mi; limits "
                      "cpu 1 and memory stagingSize + 256Mi")}),
@@ -318,7 +327,7 @@ def _roles() -> Schema:
             "shmSize": size("Memory-backed /dev/shm of each prefill pod (transfer buffers); "
                             "with engine.kind vllm the pod's /dev/shm also gets vLLM's share "
                             "(see engine.kind).",
-                            default="1Gi"),
+                            default="1Gi", rules=(positive(SHM_WHY),)),
         }),
         "decode": _role("decode", 1, {
             "localSegmentSize": size(
@@ -327,7 +336,7 @@ def _roles() -> Schema:
             "shmSize": size("Memory-backed /dev/shm of each decode pod; must hold "
                             "localSegmentSize plus transfer buffers (default: localSegmentSize "
                             "+ 1Gi). With engine.kind vllm the pod's /dev/shm also gets "
-                            "vLLM's share (see engine.kind)."),
+                            "vLLM's share (see engine.kind).", rules=(positive(SHM_WHY),)),
         }),
         "store": _role("store", 1),
         "master": _role("master", 1),
@@ -365,7 +374,7 @@ def _rdma() -> Schema:
         },
         default={},
         rules=(rule("!self.required || self.enabled", "rdma.required needs rdma.enabled",
-                    field_path=".required"),),
+                    field_path=".required"), extended_resource()),
     )
 
 
@@ -375,13 +384,14 @@ def _store() -> Schema:
         {
             "dramPerNode": size("Host DRAM each storage node serves (backed by a Memory "
                                 "emptyDir at /dev/shm, so count it in the node's memory).",
-                                default="4Gi"),
+                                default="4Gi", rules=(min_dram(),)),
             "ssd": obj("Optional SSD tier: each storage node gets a PersistentVolumeClaim that "
                        "DRAM victims spill to. Immutable once set (StatefulSet volume claim "
                        "templates cannot change).", {
                 "storageClassName": string("StorageClass of the claims (cluster default when "
                                            "empty)."),
-                "size": size("Size of each node's claim; the node uses 95% of it."),
+                "size": size("Size of each node's claim; the node uses 95% of it.",
+                             rules=(positive("a PersistentVolumeClaim of 0 bytes is refused"),)),
             }, required=("size",),
                 rules=(rule("self == oldSelf", "store.ssd is immutable; create a new cluster "
                             "to change the SSD tier"),)),
@@ -557,6 +567,8 @@ def cluster_spec_schema() -> Schema:
         },
         default={},
         rules=(
+            rule("self.transferProtocol != 'rdma'", RDMA_PROTOCOL_REFUSED,
+                 field_path=".transferProtocol"),
             rule("self.transferProtocol != 'rdma' || self.rdma.enabled",
                  "transferProtocol rdma needs rdma.enabled", field_path=".transferProtocol"),
             rule("!self.rdma.enabled || self.transferProtocol != 'tcp'",

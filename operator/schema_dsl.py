@@ -77,12 +77,14 @@ def boolean(desc: str, *, default: bool | None = None) -> Schema:
     return _d({"type": "boolean"}, desc, default)
 
 
-def size(desc: str, *, default: str | None = None) -> Schema:
+def size(desc: str, *, default: str | None = None, rules: tuple[Schema, ...] = ()) -> Schema:
     """A byte quantity such as `4Gi`; a plain integer is a byte count."""
     s: Schema = {
         "x-kubernetes-int-or-string": True,
         "anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "pattern": SIZE_PATTERN}],
     }
+    if rules:
+        s["x-kubernetes-validations"] = list(rules)
     return _d(s, desc, default)
 
 

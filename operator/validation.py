@@ -143,10 +143,48 @@ def to_cel(s: Schema, value: Any) -> Any:
     return json_to_cel(value)
 
 
+class Quantity:
+    """A value of the API server's CEL quantity type (`quantity('1Gi')`, Kubernetes 1.29+),
+    the part of that library the CRD's rules use: comparisons, exactly (Decimal)."""
+
+    def __init__(self, text: str) -> None:
+        self.text, self.value = text, corev1.parse_quantity(text)
+
+
+def _quantity(text: Any) -> Quantity:
+    if not isinstance(text, str):
+        raise TypeError(f"quantity() takes a string, got {corev1.kind_of(text)}")
+    return Quantity(str(text))
+
+
+def _is_quantity(text: Any) -> celtypes.BoolType:
+    try:
+        _quantity(text)
+    except (TypeError, ValueError):
+        return celtypes.BoolType(False)
+    return celtypes.BoolType(True)
+
+
+def _compare(a: Quantity, b: Quantity) -> int:
+    return (a.value > b.value) - (a.value < b.value)
+
+
+# Kubernetes' quantity library (k8s.io/apiserver/pkg/cel/library), which cel-python lacks. A
+# member call `q.isLessThan(r)` reaches these as `isLessThan(q, r)`.
+CEL_FUNCTIONS: dict[str, Callable[..., Any]] = {
+    "quantity": _quantity,
+    "isQuantity": _is_quantity,
+    "isGreaterThan": lambda a, b: celtypes.BoolType(_compare(a, b) > 0),
+    "isLessThan": lambda a, b: celtypes.BoolType(_compare(a, b) < 0),
+    "compareTo": lambda a, b: celtypes.IntType(_compare(a, b)),
+    "sign": lambda a: celtypes.IntType((a.value > 0) - (a.value < 0)),
+}
+
+
 @functools.lru_cache(maxsize=256)
 def _program(expr: str) -> Any:
     env = celpy.Environment()
-    return env.program(env.compile(expr))
+    return env.program(env.compile(expr), functions=CEL_FUNCTIONS)
 
 
 def _message(r: Schema, act: dict[str, Any]) -> str:

@@ -294,7 +294,7 @@ def _variant(examples: dict[str, Obj], spec: Obj) -> Obj:
     return {**base, "spec": _merge(base["spec"], spec)}
 
 
-VARIANTS = {
+VARIANTS: dict[str, Obj] = {
     "rdma.enabled: true": {"rdma": {"enabled": True}, "transferProtocol": "auto"},
     "model.hostPath": {"model": {"hostPath": {"path": "/models/smollm2"}}},
     "model.image": {"model": {"image": {"reference": "registry.example/models:smollm2"}}},
