@@ -318,32 +318,16 @@ class TransferServer:
         return RESPONSE.pack(RESP_MAGIC, ST_OK, rid, len(body)) + body
 
     def _loop(self, sock: socket.socket, rd: Reader, peer: str, held: list[Any]) -> None:
-        pending: list[bytes | memoryview] = []
-        pending_bytes = 0
-        pending_data = False
-        on_bytes = self._on_bytes
+        """Serve requests until the peer closes or idles out: READs answered from the segment,
+        WRITEs received into it, replies gathered (`_Replies`) and sent when the client waits
+        for them (no whole header buffered) or enough has piled up."""
+        out = _Replies(sock)
         unpack = REQUEST.unpack_from
-        pack = RESPONSE.pack
-        scratch: memoryview | None = None
         hsize = REQUEST.size
         while True:
             if rd.end - rd.start < hsize:
-                if pending:
-                    sendv(sock, pending)
-                    pending.clear()
-                    pending_bytes = 0
-                    pending_data = False
-                waiting = time.monotonic()
-                while True:
-                    try:
-                        p = rd.fill(hsize)
-                        break
-                    except BlockingIOError:
-                        # Idle between frames is fine for a while; a partial header is not.
-                        if rd.end != rd.start or self._stopping:
-                            raise
-                        if time.monotonic() - waiting >= self._idle_timeout and not held:
-                            raise _Idle() from None
+                out.flush()
+                p = self._next_header(rd, held)
             else:
                 p = rd.start
             magic, op, nlen, rid, off, length = unpack(rd.buf, p)
@@ -353,55 +337,100 @@ class TransferServer:
                     p = rd.fill(hsize + nlen)
                     rd.start = p + hsize + nlen
                     payload = rd.read_bytes(length)
-                    pending.append(self._rdma_connect(sock, rid, payload, peer, held))
+                    out.iov.append(self._rdma_connect(sock, rid, payload, peer, held))
                     continue
             if length > 1 << 36 or off > 1 << 48:
                 decode_request_header(rd.buf, p)
             p = rd.fill(hsize + nlen)
             key = bytes(rd.view[p + hsize : p + hsize + nlen])
             rd.start = p + hsize + nlen
-            seg = self._segments.get(key)
-            status = ST_OK
-            msg = ""
-            if seg is None:
-                name = decode_name(key)  # garbage names close the connection
-                status, msg = ST_UNKNOWN_SEGMENT, f"unknown segment {name!r}"
-            elif off + length > seg.desc.size:
-                status = ST_OUT_OF_RANGE
-                msg = (f"range [{off}, {off + length}) outside segment {seg.desc.name!r} "
-                       f"of {seg.desc.size} bytes")
+            seg, status, msg = self._lookup(key, off, length)
             if op == OP_READ:
-                if status == ST_OK:
-                    assert seg is not None
-                    pending.append(pack(RESP_MAGIC, ST_OK, rid, length))
-                    pending.append(seg.buf[off : off + length])
-                    pending_data = True
-                    pending_bytes += length
-                    if on_bytes is not None:
-                        on_bytes("out", length)
-                else:
-                    pending.append(encode_error(status, rid, msg))
+                self._serve_read(out, seg, status, msg, rid, off, length)
             else:
-                if status == ST_OK:
-                    assert seg is not None
-                    if pending_data:  # a READ queued earlier must see the bytes before this WRITE
-                        sendv(sock, pending)
-                        pending.clear()
-                        pending_bytes = 0
-                        pending_data = False
-                    rd.read_into(seg.buf[off : off + length])
-                    pending.append(pack(RESP_MAGIC, ST_OK, rid, length))
-                    if on_bytes is not None:
-                        on_bytes("in", length)
-                else:
-                    if length > DRAIN_LIMIT:
-                        raise ProtocolError(f"rejected WRITE of {length} bytes: {msg}")
-                    if scratch is None:
-                        scratch = memoryview(bytearray(256 << 10))
-                    rd.skip(length, scratch)
-                    pending.append(encode_error(status, rid, msg))
-            if pending_bytes >= FLUSH_BYTES or len(pending) >= FLUSH_IOVS:
-                sendv(sock, pending)
-                pending.clear()
-                pending_bytes = 0
-                pending_data = False
+                self._serve_write(out, rd, seg, status, msg, rid, off, length)
+            if out.nbytes >= FLUSH_BYTES or len(out.iov) >= FLUSH_IOVS:
+                out.flush()
+
+    def _next_header(self, rd: Reader, held: list[Any]) -> int:
+        """Wait for the next request header and return its position. Idle between frames is
+        fine for `idle_timeout_s` (forever while an RDMA pair is held); a partial header is
+        not."""
+        waiting = time.monotonic()
+        while True:
+            try:
+                return rd.fill(REQUEST.size)
+            except BlockingIOError:
+                if rd.end != rd.start or self._stopping:
+                    raise
+                if time.monotonic() - waiting >= self._idle_timeout and not held:
+                    raise _Idle() from None
+
+    def _lookup(self, key: bytes, off: int, length: int) -> tuple[Segment | None, int, str]:
+        """The segment a request names and whether its range fits: (segment, ST_OK, "") or
+        (None, error status, message). A name that is not text closes the connection."""
+        seg = self._segments.get(key)
+        if seg is None:
+            name = decode_name(key)
+            return None, ST_UNKNOWN_SEGMENT, f"unknown segment {name!r}"
+        if off + length > seg.desc.size:
+            return None, ST_OUT_OF_RANGE, (f"range [{off}, {off + length}) outside segment "
+                                           f"{seg.desc.name!r} of {seg.desc.size} bytes")
+        return seg, ST_OK, ""
+
+    def _serve_read(self, out: _Replies, seg: Segment | None, status: int, msg: str, rid: int,
+                    off: int, length: int) -> None:
+        """Queue a READ's reply: the header and the segment's bytes themselves (no copy)."""
+        if seg is None:
+            out.iov.append(encode_error(status, rid, msg))
+            return
+        out.iov.append(RESPONSE.pack(RESP_MAGIC, ST_OK, rid, length))
+        out.iov.append(seg.buf[off : off + length])
+        out.data = True
+        out.nbytes += length
+        if self._on_bytes is not None:
+            self._on_bytes("out", length)
+
+    def _serve_write(self, out: _Replies, rd: Reader, seg: Segment | None, status: int,
+                     msg: str, rid: int, off: int, length: int) -> None:
+        """Receive a WRITE's payload into the segment and queue its reply; a rejected one's
+        payload is read and dropped (up to DRAIN_LIMIT) so the connection stays usable."""
+        if seg is None:
+            if length > DRAIN_LIMIT:
+                raise ProtocolError(f"rejected WRITE of {length} bytes: {msg}")
+            rd.skip(length, out.scratch())
+            out.iov.append(encode_error(status, rid, msg))
+            return
+        if out.data:  # a READ queued earlier must see the bytes before this WRITE
+            out.flush()
+        rd.read_into(seg.buf[off : off + length])
+        out.iov.append(RESPONSE.pack(RESP_MAGIC, ST_OK, rid, length))
+        if self._on_bytes is not None:
+            self._on_bytes("in", length)
+
+
+class _Replies:
+    """The replies queued on one served connection, sent in one gather by `flush`."""
+
+    __slots__ = ("_scratch", "data", "iov", "nbytes", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.iov: list[bytes | memoryview] = []
+        self.nbytes = 0
+        # A READ's segment bytes are queued: a WRITE must not change them before they go.
+        self.data = False
+        self._scratch: memoryview | None = None
+
+    def flush(self) -> None:
+        if self.iov:
+            sendv(self.sock, self.iov)
+            self.iov.clear()
+            self.nbytes = 0
+            self.data = False
+
+    def scratch(self) -> memoryview:
+        """Where a rejected WRITE's payload is read to be dropped (allocated on first use)."""
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(256 << 10))
+        return self._scratch
