@@ -11,8 +11,8 @@ from mooncake_k8s.operator.schema_dsl import Schema, array, integer, number, obj
 
 def _condition() -> Schema:
     return obj("A condition of the cluster.", {
-        "type": string("Ready, Progressing, Degraded, KVStoreReady, KVTransport or RDMAReady "
-                       "(the last only with rdma.enabled)."),
+        "type": string("Ready, Progressing, Degraded, KVStoreReady, KVTransport, Reconciling, "
+                       "Stalled or RDMAReady (the last only with rdma.enabled)."),
         "status": string("True, False or Unknown.", enum=("True", "False", "Unknown")),
         "reason": string("CamelCase reason for the last transition."),
         "message": string("Human-readable detail."),
@@ -37,7 +37,10 @@ def cluster_status_schema(roles: tuple[str, ...]) -> Schema:
         "observedGeneration": integer("metadata.generation the operator last applied."),
         "conditions": array("Ready, Progressing, Degraded, KVStoreReady, KVTransport (how KV "
                             "moves between pods: reason Tcp or Rdma) and, with rdma.enabled, "
-                            "RDMAReady (EXPERIMENTAL: which devices the pods see).",
+                            "RDMAReady (EXPERIMENTAL: which devices the pods see). Reconciling "
+                            "and Stalled are kstatus' pair for Flux and other GitOps tools: "
+                            "Stalled=True (reason InvalidSpec) when only a spec change can help, "
+                            "Reconciling=True while the cluster moves toward its spec.",
                             _condition(), max_items=16),
         "roles": obj("Per-role replicas.", {r: _role_status() for r in roles}),
         "servingRevision": string("Revision prefill and decode pair on (label "
