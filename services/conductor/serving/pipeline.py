@@ -2,7 +2,8 @@
 
 Failures before the client has seen output are retried on other instances. Once it has, a
 failed decode instance (killed, unreachable) leaves rotation and the stream is *resumed* on
-another decode instance of the same revision (`resume` says how): prefill reads the prompt's
+another decode instance of the same revision (`resume` says how; the pair comes from the same
+`Scheduler.decide` as any request's, never shed): prefill reads the prompt's
 KV from the pool (workers keep a copy outside the decode's process, `--store-replicas 2`),
 recomputes the tokens already streamed and returns the next one, and decode goes on from
 there with the same seed. The client sees one stream, each token once. With no instance left,
@@ -183,6 +184,8 @@ class Pipeline:
 
     async def _route(self, gen: Generation, lost: DecodeLost | None, attempt: int,
                      last_error: str) -> Route:
+        """The router's one decision for this attempt. A resume asks the same question of
+        the instances of the lost one's revision, never to be shed (`RouteRequest.shed`)."""
         prefills, decodes = self.prefills.usable(), self.decodes.usable()
         if lost is not None:
             prefills = resume_candidates(prefills, lost.revision)
