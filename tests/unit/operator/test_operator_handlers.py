@@ -419,8 +419,9 @@ async def test_autoscaler_reads_conductor_metrics_and_scales(k8s: ApplyingEmulat
     await site.start()
     port = runner.addresses[0][1]
     try:
-        for role, port_name in (("conductor", "http"), ("master", "metrics")):
-            # Pods as the kubelet would report them, declaring where their metrics are.
+        for role, port_name in (("conductor", "metrics"), ("master", "metrics")):
+            # Pods as the kubelet would report them, declaring where their metrics are (the
+            # Conductor's on its own `metrics` port, apart from the API's `http`).
             k8s.objects["v1/pods", NS, f"demo-{role}-0"] = {
                 "apiVersion": "v1", "kind": "Pod",
                 "metadata": {"name": f"demo-{role}-0", "namespace": NS, "labels": {

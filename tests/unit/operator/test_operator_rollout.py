@@ -61,7 +61,9 @@ CASES: list[tuple[str, str, Any, set[str], bool]] = [
     # (id, field, new value, roles that must roll, serving revision changes)
     ("decode-resources", "roles.decode.resources", {"requests": {"cpu": "4"}}, {"decode"}, False),
     ("prefill-node-selector", "roles.prefill.nodeSelector", {"pool": "a"}, {"prefill"}, False),
-    ("model-revision", "model.huggingFace.revision", "v2", {"prefill", "decode"}, True),
+    # The Conductor tokenises with the model's tokenizer (issue 18): it rolls with the model.
+    ("model-revision", "model.huggingFace.revision", "v2", {"prefill", "decode", "conductor"},
+     True),
     ("engine-args", "engine.args", ["--tp", "2"], {"prefill", "decode"}, True),
     ("block-size", "store.blockTokens", 128, {"prefill", "decode"}, True),
     ("decode-image", "roles.decode.image", "mooncake-k8s:0.1.1", {"prefill", "decode"}, True),
