@@ -81,10 +81,15 @@ def test_decode_bound_load_scales_decode_up_with_the_real_metric(cluster: LocalC
                for i in range(REQUESTS)]
     for t in threads:
         t.start()
+
+    def full_batch_and_waiting(text: str) -> bool:
+        queued = metric_value(text, "mooncake_conductor_queue_tokens", 'role="decode"')
+        # The load is more than what waits: the running sequences' KV counts too.
+        return 0 < queued < metric_value(text, "mooncake_conductor_decode_load_tokens")
+
     try:
-        # Sequences waiting at decode (its batch is full): the decode-bound moment.
-        busy = _scrape_until(cluster, lambda t: metric_value(
-            t, "mooncake_conductor_queue_tokens", 'role="decode"') > 0, "a decode queue")
+        # Sequences running and more waiting at decode: the decode-bound moment.
+        busy = _scrape_until(cluster, full_batch_and_waiting, "sequences waiting at decode")
     finally:
         for t in threads:
             t.join(300)
@@ -92,11 +97,11 @@ def test_decode_bound_load_scales_decode_up_with_the_real_metric(cluster: LocalC
     assert set(done.values()) == {MAX_TOKENS}
 
     load = metric_value(busy, "mooncake_conductor_decode_load_tokens")
-    queued = metric_value(busy, "mooncake_conductor_queue_tokens", 'role="decode"')
-    assert load > queued > 0  # the running sequences' KV counts too
     sample = sample_from_texts([busy], now=0.0)
     assert sample is not None and sample.decode_load_tokens == load
     pol = _policy()
+    # Prefill works through the burst well within its target: the pressure is on decode.
+    assert sample.prefill_queue_tokens < pol.target_prefill_tokens
     state = ScalerState()
     up = decide(pol, (1, 1), state, sample, ready=(1, 1))
     assert up.decode > 1, up.reason
