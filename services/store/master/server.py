@@ -23,7 +23,6 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -31,10 +30,10 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from mooncake_k8s.common import defaults
 from mooncake_k8s.common.metrics import LATENCY_BUCKETS, serve_metrics
 from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.common.rpcserver import MAX_MESSAGE
+from mooncake_k8s.store.master.config import MasterConfig
 from mooncake_k8s.store.master.fastpath import FastPathServer
 from mooncake_k8s.store.master.ha import RedisCoordinator
 from mooncake_k8s.store.master.recovery import NodeRoster, RecoveryGate
@@ -46,64 +45,6 @@ __all__ = ["MasterConfig", "MasterServer", "run_master"]
 log = logging.getLogger(__name__)
 
 _TIER_NAMES: dict[int, str] = {pb.DRAM: "dram", pb.SSD: "ssd"}
-
-
-@dataclass
-class MasterConfig:
-    """Settings of the master (flags / env vars of `mooncake store master`)."""
-
-    host: str = "127.0.0.1"
-    """Address to bind; exactly this one (never every interface by default)."""
-    port: int = defaults.MASTER_PORT
-    """gRPC port; 0 picks a free one (see `MasterServer.port`)."""
-    token: str = ""
-    """Cluster token required on every RPC; empty disables the check."""
-    metrics_port: int | None = None
-    """Prometheus port on `metrics_host`; 0 picks a free one, None or -1 disables."""
-    metrics_host: str | None = None
-    """Defaults to `host`."""
-    high_watermark: float = defaults.HIGH_WATERMARK
-    low_watermark: float = defaults.LOW_WATERMARK
-    put_timeout_s: float = defaults.PUT_TIMEOUT_S
-    """A put not ended within this time is revoked and its space reclaimed."""
-    put_claim_s: float = 1.0
-    """How long a pending put keeps other writers of its key away (plus time for its size): a
-    crashed writer blocks its key this long, not for the whole put timeout."""
-    state_dir: str | None = None
-    """Where the master keeps the ids of its registered nodes, so that after a restart it knows
-    whom to wait for. None: it cannot tell a first start from a restart and always waits for
-    `recovery_grace_s`."""
-    recovery_grace_s: float = defaults.RECOVERY_GRACE_S
-    """After a restart, answer UNAVAILABLE at most this long while nodes re-register (nodes
-    re-register within about a heartbeat interval); 0 disables recovery."""
-    lease_ms: int = defaults.LEASE_MS
-    max_lease_ms: int = 60_000
-    node_timeout_s: float = defaults.NODE_TIMEOUT_S
-    heartbeat_interval_ms: int = 1000
-    max_object_size: int = 1 << 30
-    tick_interval_s: float = 0.05
-    fast_port: int = 0
-    """Port of the fast path for the hot calls (`fastpath`) on `host`; 0 picks a free one,
-    -1 turns it off (clients then use gRPC for everything)."""
-    workers: int = 8
-    """Threads of the executor for the calls kept off the event loop (RegisterNode); streams
-    and other calls need none."""
-    event_queue: int = 10_000
-    """Events buffered per Watch subscriber before it is disconnected as too slow."""
-    metadata_backend: str = "embedded"
-    """"embedded": one master, metadata in its memory (rebuilt from the nodes after a restart).
-    "redis": several masters, one leads by a lease in Redis (`ha`)."""
-    redis_url: str = ""
-    """Redis for the "redis" backend (may hold a password: never logged)."""
-    advertise: str = ""
-    """host:port under which clients reach this master (the leader hint standbys give);
-    defaults to the bound address."""
-    ha_prefix: str = "mooncake"
-    """Prefix of this cluster's keys in Redis (one Redis may serve several clusters)."""
-    ha_lease_ms: int = defaults.HA_LEASE_MS
-    """Leader lease: a dead leader is replaced about this long after it stopped renewing."""
-    journal_keep_s: float = defaults.JOURNAL_KEEP_S
-    """How long the commit journal keeps an entry (far beyond a node applying it)."""
 
 
 class _StateCollector(Collector):

@@ -43,8 +43,8 @@ from mooncake_k8s.store.wire import (
 )
 
 if TYPE_CHECKING:
+    from mooncake_k8s.store.master.config import MasterConfig
     from mooncake_k8s.store.master.ha import RedisCoordinator
-    from mooncake_k8s.store.master.server import MasterConfig
 
 log = logging.getLogger(__name__)
 
