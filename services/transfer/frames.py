@@ -360,6 +360,12 @@ def decode_rdma_endpoint(data: Buf) -> RdmaEndpoint:
         raise ProtocolError(f"RDMA endpoint qp_num {qp_num} or psn {psn} over 24 bits")
     if count > MAX_RDMA_REGIONS:
         raise ProtocolError(f"{count} RDMA regions, over limit {MAX_RDMA_REGIONS}")
+    regions = _decode_rdma_regions(data, count)
+    return RdmaEndpoint(qp_num, psn, lid, gid, mtu, rd_atomic, max_message, regions)
+
+
+def _decode_rdma_regions(data: bytes, count: int) -> tuple[RdmaRegion, ...]:
+    """The `count` regions after an endpoint's fixed part, which must end `data` exactly."""
     pos = RDMA_ENDPOINT.size
     regions: list[RdmaRegion] = []
     for _ in range(count):
@@ -376,4 +382,4 @@ def decode_rdma_endpoint(data: Buf) -> RdmaEndpoint:
         regions.append(RdmaRegion(name, addr, rkey, length))
     if pos != len(data):
         raise ProtocolError(f"{len(data) - pos} trailing bytes after the RDMA endpoint")
-    return RdmaEndpoint(qp_num, psn, lid, gid, mtu, rd_atomic, max_message, tuple(regions))
+    return tuple(regions)

@@ -48,6 +48,7 @@ def tune(sock: socket.socket, timeout_s: float) -> None:
 def sendv(sock: socket.socket, bufs: list[bytes | memoryview]) -> None:
     """Send every buffer, in order, with as few gathered sendmsg calls as possible."""
     n = len(bufs)
+    i = 0
     if n <= IOV_MAX:
         total = 0
         for b in bufs:
@@ -56,32 +57,26 @@ def sendv(sock: socket.socket, bufs: list[bytes | memoryview]) -> None:
         if sent == total:
             return
         bufs = list(bufs)
-        i = 0
-        for b in bufs:
-            if sent >= len(b):
-                sent -= len(b)
-                i += 1
-            else:
-                bufs[i] = memoryview(b)[sent:]
-                break
-    else:
-        i = 0
+        i = _advance(bufs, 0, sent)
     while i < n:
         batch = bufs[i : i + IOV_MAX]
         total = 0
         for b in batch:
             total += len(b)
         sent = sock.sendmsg(batch)
-        if sent == total:
-            i += len(batch)
-            continue
-        for b in batch:
-            if sent >= len(b):
-                sent -= len(b)
-                i += 1
-            else:
-                bufs[i] = memoryview(b)[sent:]
-                break
+        i = i + len(batch) if sent == total else _advance(bufs, i, sent)
+
+
+def _advance(bufs: list[bytes | memoryview], i: int, sent: int) -> int:
+    """After a short send of `sent` bytes from `bufs[i:]`: the index of the first buffer not
+    sent whole, that buffer cut to what is left of it."""
+    for b in bufs[i:]:
+        if sent < len(b):
+            bufs[i] = memoryview(b)[sent:]
+            break
+        sent -= len(b)
+        i += 1
+    return i
 
 
 class Reader:
