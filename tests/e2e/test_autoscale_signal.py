@@ -3,10 +3,10 @@
 A `mooncake up` cluster (1 prefill, 1 decode, the built-in model on the CPU) runs with a decode
 batch of 2 sequences. Eight concurrent requests with 100-word prompts and long generations
 keep prefill's queue far under its target while decode holds two sequences' KV and queues the
-rest: the load is on decode. The test scrapes the Conductor's own /metrics while that lasts, feeds the text to the
-operator's `sample_from_texts` and `decide` (what the operator does with every Conductor pod's
-/metrics), and checks that decode replicas go up and prefill does not; once the requests are
-done the same path reads an idle decode and scales it back down.
+rest: the load is on decode. The test scrapes the Conductor's own /metrics while that lasts,
+feeds the text to the operator's `sample_from_texts` and `decide` (what the operator does with
+every Conductor pod's /metrics), and checks that decode replicas go up and prefill does not;
+once the requests are done the same path reads an idle decode and scales it back down.
 """
 
 from __future__ import annotations
