@@ -31,6 +31,10 @@ READ_DIRECTLY: tuple[EnvVar, ...] = (
     EnvVar("MOONCAKE_CLUSTER_TOKEN", "services/engine/sglang/server.py",
            "The cluster token (also every command's --token); handed to the SGLang child so "
            "its KV transfer authenticates."),
+    EnvVar("MOONCAKE_TEST_HANG_ENGINE", "services/common/health.py",
+           "Tests only: `prefill` or `decode` makes that worker's calls into its engine block "
+           "for good (a hung engine), so tests can see liveness fail. Never set it in a "
+           "deployment."),
     EnvVar("MOONCAKE_TRACE_FILE", "services/common/tracing.py",
            "Write trace spans as JSON lines to this file (tests and local debugging)."),
     EnvVar("MOONCAKE_POD_NAME", "operator/rdma_probe.py",

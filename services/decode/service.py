@@ -147,7 +147,7 @@ class DecodeService(DecodeWorker):
         tokens: Iterator[Any] | None = None
         try:
             with tracing.span("decode", dict(req.trace_context), request_id=req.request_id):
-                tokens = engine.decode(self._work(req), cancelled)
+                tokens = self.watched(engine.decode(self._work(req), cancelled))
                 for item in tokens:
                     if first:
                         self.m_load.observe(time.monotonic() - t0)

@@ -176,7 +176,7 @@ class PrefillService(PrefillWorker):
                 self.m_plans.labels("followed" if trusted else "untrusted").inc()
             work = PrefillWork(req.request_id, tokens, req.tenant, req.sampling, plan,
                                req.use_prefix_cache, job.trace)
-            res = engine.prefill(work)
+            res = self.engine_call(engine.prefill, work)
             sp.set_attribute("cached_tokens", res.cached_tokens)
         self.m_blocks.labels("imported").inc(res.imported_blocks)
         self.m_blocks.labels("rejected").inc(res.rejected_blocks)
