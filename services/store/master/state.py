@@ -28,7 +28,6 @@ No allocation takes any segment of any tier above its high watermark (`tiering`)
 from __future__ import annotations
 
 import heapq
-import logging
 import secrets
 import time
 import uuid
@@ -70,8 +69,6 @@ from mooncake_k8s.store.master.records import (
 from mooncake_k8s.store.master.spaces import SPACE_TTL_S, SpaceLeases
 from mooncake_k8s.store.master.tiering import TierPolicy
 
-log = logging.getLogger(__name__)
-
 MAX_LEASE_MS = 60_000
 #: Master RSS per committed single-replica object with a 32-char key, lookups included:
 #: 265 B at 1,000,000 objects (bench/master_mem_bench.py; 828 B before the records were
@@ -83,7 +80,6 @@ BYTES_PER_OBJECT = 270
 BYTES_PER_EXTRA_REPLICA = 400
 
 _EV = pb.BlockEvent
-_CMD = pb.NodeCommand
 
 
 class UnknownNode(StoreError, LookupError):
