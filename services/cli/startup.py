@@ -104,7 +104,6 @@ def preflight(command: click.Command, kw: dict[str, Any]) -> None:
     """Raise `StartupError` for an address this command could not bind or a model that is not
     there, before anything starts. A host that does not resolve is left to the command's own
     check (`options._check_bind`), which names it."""
-    probed: set[tuple[str, int]] = set()
     for p in _port_params(command):
         port = kw.get(p.name or "")
         if not isinstance(port, int) or port < 0:
@@ -113,22 +112,27 @@ def preflight(command: click.Command, kw: dict[str, Any]) -> None:
         try:
             addresses = bind_addresses(host)
         except ValueError:
-            return
-        for addr in addresses:
-            if (addr, port) in probed:
-                continue
-            probed.add((addr, port))
-            problem = _bind_problem(addr, port)
-            if problem is None:
-                continue
-            if port and problem[0] == errno.EADDRINUSE:
-                raise StartupError(_flag(p), port, f"{_where(addr, port)} is already in use "
-                                   "(another process listens there; give another port)")
-            if port and problem[0] == errno.EACCES:
-                raise StartupError(_flag(p), port, f"cannot bind {_where(addr, port)}: "
-                                   f"{problem[1]} (ports below 1024 need privileges)")
-            raise StartupError(host_flag, host, f"cannot bind {addr}: {problem[1]}")
+            continue
+        _check_port(_flag(p), port, host_flag, host, addresses)
     _check_model(command, kw)
+
+
+def _check_port(flag: str, port: int, host_flag: str, host: str, addresses: list[str]) -> None:
+    """One port flag's bind on every address its host stands for. In use (or privileged) on
+    any of them is the port's problem; an address that cannot be bound is the host's only when
+    none can (a name may also resolve to an IPv6 address where IPv6 is off)."""
+    problems = {addr: _bind_problem(addr, port) for addr in addresses}
+    for addr, problem in problems.items():
+        if problem is not None and port and problem[0] == errno.EADDRINUSE:
+            raise StartupError(flag, port, f"{_where(addr, port)} is already in use "
+                               "(another process listens there; give another port)")
+        if problem is not None and port and problem[0] == errno.EACCES:
+            raise StartupError(flag, port, f"cannot bind {_where(addr, port)}: {problem[1]} "
+                               "(ports below 1024 need privileges)")
+    failed = [(addr, problem) for addr, problem in problems.items() if problem is not None]
+    if failed and len(failed) == len(problems):
+        addr, (_, reason) = failed[0]
+        raise StartupError(host_flag, host, f"cannot bind {addr}: {reason}")
 
 
 def _where(addr: str, port: int) -> str:
