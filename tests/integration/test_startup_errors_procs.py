@@ -58,6 +58,7 @@ def busy_port() -> Iterator[int]:
     (["conductor", "--port", "{busy}", "--metrics-port", "-1", "--prefill", "127.0.0.1:1",
       "--decode", "127.0.0.1:2"], "--port"),
     (["operator", "--metrics-port", "0", "--health-port", "{busy}"], "--health-port"),
+    (["up", "--port", "{busy}"], "--port"),
 ], ids=lambda a: " ".join(a) if isinstance(a, list) else a)
 def test_a_port_in_use_is_named_with_its_flag(busy_port: int, args: list[str],
                                               flag: str) -> None:
@@ -108,6 +109,12 @@ def test_a_second_master_on_one_host_names_the_metrics_port() -> None:
 def test_an_address_of_another_machine_is_named_with_host(args: list[str]) -> None:
     r = _mooncake(*args, "--host", UNASSIGNED)
     _one_line(r, f"--host {UNASSIGNED}:", "cannot bind")
+
+
+def test_the_conductors_metrics_host_is_named_for_its_port() -> None:
+    r = _mooncake("conductor", "--port", "0", "--metrics-port", "0", "--metrics-host",
+                  UNASSIGNED, "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2")
+    _one_line(r, f"--metrics-host {UNASSIGNED}:", "cannot bind")
 
 
 @pytest.mark.parametrize("command", [["prefill"], ["decode"], ["conductor", "--prefill",
