@@ -111,6 +111,9 @@ _ROLE_DEFAULTS: dict[str, tuple[str, int, str, int]] = {
     "prefill": ("1", 1 * GIB, "4", 2 * GIB),
     "decode": ("1", 1 * GIB, "4", 2 * GIB),
 }
+# vLLM and SGLang servers hold more host memory (their processes, weights on the way to the GPU,
+# on a CPU the weights and the KV cache themselves): prefill and decode with them default higher.
+_SERVER_DEFAULTS = ("2", 8 * GIB, "8", 16 * GIB)
 
 
 def _quantity(q: Any) -> float:
@@ -137,6 +140,8 @@ def fill_defaults(res: Obj, requests: Obj, limits: Obj) -> Obj:
 def role_defaults(spec: Obj, role: str) -> tuple[Obj, Obj]:
     """The requests and limits a role's main container gets where its resources say nothing."""
     cpu_req, mem_req, cpu_lim, mem_lim = _ROLE_DEFAULTS[role]
+    if role in ("prefill", "decode") and spec["engine"]["kind"] in SERVER_ENGINES:
+        cpu_req, mem_req, cpu_lim, mem_lim = _SERVER_DEFAULTS
     shm = shm_bytes(spec, role) or 0
     return ({"cpu": cpu_req, "memory": naming.format_bytes(shm + mem_req)},
             {"cpu": cpu_lim, "memory": naming.format_bytes(shm + mem_lim)})

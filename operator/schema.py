@@ -251,7 +251,15 @@ def _role(name: str, replicas: int, extra: dict[str, Schema] | None = None,
             "MooncakeRoleScaler; HPA, KEDA or the built-in autoscaler may then change it.",
             default=replicas, minimum=1 if name == "master" else 0, maximum=1000),
         "image": string(f"Image for {name} pods when it differs from the cluster default."),
-        "resources": obj(f"Compute resources of the {name} container.", {
+        "resources": obj(
+            f"Compute resources of the {name} container. cpu and memory left out of requests "
+            "or limits get the operator's defaults, so every container has both (namespaces "
+            "whose ResourceQuota requires them admit the pods): a default limit never falls "
+            "below the request given, a default request never exceeds the limit given, and "
+            "memory defaults count the role's Memory-backed /dev/shm on top. Defaults (cpu, "
+            "memory requests / limits): conductor 250m, 512Mi / 2, 2Gi; master 100m, 256Mi / "
+            "1, 1Gi; store 250m, shm+256Mi / 2, shm+512Mi; prefill and decode 1, shm+1Gi / 4, "
+            "shm+2Gi (vllm, sglang: 2, shm+8Gi / 8, shm+16Gi).", {
             "limits": quantity_map("Maximum resources (cpu, memory, nvidia.com/gpu, ...)."),
             "requests": quantity_map("Resources the scheduler reserves."),
         }, default={}),
