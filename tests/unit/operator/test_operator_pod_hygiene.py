@@ -104,6 +104,18 @@ def test_role_resource_defaults_fill_only_what_is_left_out(
     assert corev1.parse_quantity(store["limits"]["memory"]) > shm
 
 
+def test_server_engines_default_to_more_memory(make_cluster: Callable[..., Obj]) -> None:
+    """vLLM and SGLang servers hold weights and (on a CPU) KV in host memory: their pods'
+    defaults are larger than the embedded engine's."""
+    def limit(spec: Obj) -> float:
+        c = _named(_template(_render(make_cluster(spec)), "decode"), "decode")
+        return float(corev1.parse_quantity(c["resources"]["limits"]["memory"]))
+
+    embedded = limit({})
+    vllm = limit({"engine": {"kind": "vllm"}, "model": {"huggingFace": HF}})
+    assert vllm >= embedded + 14 * (1 << 30)
+
+
 def test_helper_container_resources_are_configurable(make_cluster: Callable[..., Obj]) -> None:
     mine = {"requests": {"cpu": "2"}, "limits": {"cpu": "2", "memory": "3Gi"}}
     r = _render(make_cluster({
