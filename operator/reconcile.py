@@ -96,6 +96,15 @@ class Runtime:
 
         return [t for t in await asyncio.gather(*(one(u) for u in urls)) if t is not None]
 
+    async def conductor_reasons(self, pods: list[Obj]) -> list[str]:
+        """What running but unready Conductor pods say about their model (`conductor_reasons`)."""
+        if self._stopped:
+            return []
+        if self._http is None:
+            self._http = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.config.scrape_timeout_s))
+        return await conductor_reasons(self._http, pods)
+
     async def close(self) -> None:
         self._stopped = True
         if self._http is not None:
@@ -204,8 +213,37 @@ async def observe(runtime: Runtime, cluster: Obj, error: str | None = None) -> s
         client.list("apps/v1", "Deployment", ns, sel),
         client.list("v1", "Pod", ns, sel))
     workloads = {o["metadata"]["labels"][naming.LABEL_COMPONENT]: o for o in sts + deps}
-    usage = await _master_usage(runtime, pods)
-    return status.Observed(workloads, pods, usage, error)
+    usage, conductor = await asyncio.gather(_master_usage(runtime, pods),
+                                            runtime.conductor_reasons(pods))
+    return status.Observed(workloads, pods, usage, error, conductor=conductor)
+
+
+async def conductor_reasons(http: aiohttp.ClientSession, pods: list[Obj]) -> list[str]:
+    """`pod: message` for each Conductor pod that runs but is not ready because its tokenizer
+    is not the workers' (the `TokenizerMatchesWorkers` condition of its /readyz JSON, on the
+    metrics port): status reports it as Degraded, where a readiness probe says only 503."""
+    targets = [(p["metadata"]["name"],
+                f"http://{p['status']['podIP']}:{_metrics_port(p, 'conductor')}/readyz")
+               for p in pods
+               if p.get("metadata", {}).get("labels", {}).get(naming.LABEL_COMPONENT)
+               == "conductor" and p.get("status", {}).get("podIP") and not _pod_ready(p)]
+
+    async def one(url: str) -> Any:
+        try:
+            async with http.get(url, headers={"Accept": "application/json"}) as r:
+                return await r.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+
+    docs = await asyncio.gather(*(one(u) for _, u in targets))
+    out = []
+    for (name, _), doc in zip(targets, docs, strict=True):
+        conds = doc.get("conditions") if isinstance(doc, dict) else None
+        for c in conds if isinstance(conds, list) else []:
+            if (isinstance(c, dict) and c.get("type") == "TokenizerMatchesWorkers"
+                    and c.get("status") == "False"):
+                out.append(f"{name}: {str(c.get('message', ''))[:400]}")
+    return sorted(out)
 
 
 def _metrics_port(pod: Obj, role: str) -> int:

@@ -45,6 +45,8 @@ class Observed:
     pods: Sequence[Obj]
     store: StoreUsage | None = None
     error: str | None = None  # a render/apply failure to report as Degraded
+    conductor: Sequence[str] = ()
+    """`pod: why` for Conductor pods whose tokenizer is not the workers' (their /readyz)."""
 
 
 def _role_status(role: str, desired: int, wl: Obj | None, revision: str) -> Obj:
@@ -203,11 +205,12 @@ def aggregate(cluster: Obj, rendered: Rendered, observed: Observed, now: str) ->
         conds.append({"type": "Progressing", "status": "False", "reason": "Stable",
                       "message": "no rollout or scaling in progress"})
 
-    degraded = ([observed.error] if observed.error else []) + problems
+    degraded = ([observed.error] if observed.error else []) + problems + list(observed.conductor)
     if rdma_cond is not None and rdma_cond["reason"] == "DeviceMissing":
         degraded.append(rdma_cond["message"])
     conds.append({"type": "Degraded", "status": "True" if degraded else "False",
                   "reason": ("InvalidSpec" if observed.error else "PodsFailing" if problems
+                             else "TokenizerMismatch" if observed.conductor
                              else "RDMADeviceMissing") if degraded else "AsExpected",
                   "message": "; ".join(degraded)[:1000]})
 

@@ -14,6 +14,7 @@ process exits 0.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import http.client
 import json
@@ -241,6 +242,39 @@ def test_conductor_with_another_tokenizer_is_not_ready_and_says_why(
         # /metrics is on the metrics port only.
         assert _request(c.ops, "/metrics")[0] == 200
         assert _request(c.base, "/metrics")[0] == 404
+        _operator_reports_it(c, cond["message"])
+
+
+def _operator_reports_it(c: Conductor, message: str) -> None:
+    """The operator reads the unready Conductor pod's /readyz (as it would the pod's, at its
+    IP and `metrics` port) and reports the mismatch in the cluster's Degraded condition."""
+    import aiohttp
+
+    from mooncake_k8s.operator import naming
+    from mooncake_k8s.operator.reconcile import conductor_reasons
+    from mooncake_k8s.operator.render import render
+    from mooncake_k8s.operator.status import Observed, aggregate
+    from mooncake_k8s.operator.validation import validate_cluster
+
+    pod = {"metadata": {"name": "demo-conductor-0", "labels": {
+               naming.LABEL_COMPONENT: "conductor"}},
+           "spec": {"containers": [{"name": "conductor", "ports": [
+               {"name": "metrics", "containerPort": c.metrics_port}]}]},
+           "status": {"podIP": HOST, "conditions": [{"type": "Ready", "status": "False"}]}}
+
+    async def reasons() -> list[str]:
+        async with aiohttp.ClientSession() as http:
+            return await conductor_reasons(http, [pod])
+
+    got = asyncio.run(reasons())
+    assert got == [f"demo-conductor-0: {message[:400]}"]
+    cluster = validate_cluster({"apiVersion": "mooncake.io/v1alpha1", "kind": "MooncakeCluster",
+                                "metadata": {"name": "demo", "namespace": "ml"}, "spec": {}})
+    st = aggregate(cluster, render(cluster), Observed({}, [pod], conductor=got),
+                   "2026-01-01T00:00:00Z")
+    degraded = {x["type"]: x for x in st["conditions"]}["Degraded"]
+    assert degraded["status"] == "True" and degraded["reason"] == "TokenizerMismatch"
+    assert "demo-conductor-0: tokenizer mismatch" in degraded["message"]
 
 
 def test_sigterm_drains_a_stream_then_exits_zero(cluster: LocalCluster, model_dir: Path,
