@@ -80,7 +80,9 @@ def _probes(role: str, engine: str = "embedded") -> Obj:
                 "livenessProbe": _http_probe("/healthz", "metrics", 10, 6),
                 "readinessProbe": _http_probe("/readyz", "metrics", 5, 3)}
     if role == "conductor":
-        return {"livenessProbe": _http_probe("/healthz", "http", 10, 6),
+        # Liveness on the metrics port: it answers until the process exits, while the API
+        # listener is closed during a drain (which a liveness failure must not cut short).
+        return {"livenessProbe": _http_probe("/healthz", "metrics", 10, 6),
                 "readinessProbe": _http_probe("/readyz", "http", 5, 3)}
     port = "grpc" if role == "master" else "transfer"
     return {"startupProbe": _tcp_probe(port, 5, 60), "livenessProbe": _tcp_probe(port, 10, 6),

@@ -149,6 +149,9 @@ def test_conductor_shutdown_and_metrics_port(make_cluster: Callable[..., Obj],
     assert _values(c)["MOONCAKE_CONDUCTOR_METRICS_HOST"] == "$(MOONCAKE_POD_IP)"
     assert "MOONCAKE_METRICS_ON_API_PORT" not in _values(c)
     assert naming.METRICS_PORT["conductor"] == "metrics"  # what the operator scrapes
+    # Liveness stays answered through a drain (the API listener closes on SIGTERM).
+    assert c["livenessProbe"]["httpGet"]["port"] == "metrics"
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
 
 
 def test_every_example_gives_the_conductor_the_workers_model(
