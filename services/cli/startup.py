@@ -52,12 +52,18 @@ def _show(flag: str, value: Any) -> str:
     return "(hidden)" if _SECRET.search(flag) else shlex.quote(str(value))
 
 
+SUPERVISORS = {"up"}
+"""Commands whose port flags are their children's: each child reports its own start-up error
+and the supervisor's restart policy judges the exits (a port taken is a crash loop there)."""
+
+
 def guard(group: click.Group) -> None:
     """Wrap every command under `group` that has a port flag (the servers)."""
-    for command in group.commands.values():
+    for name, command in group.commands.items():
         if isinstance(command, click.Group):
             guard(command)
-        elif command.callback is not None and any(_port_params(command)):
+        elif (command.callback is not None and name not in SUPERVISORS
+              and any(_port_params(command))):
             command.callback = _guarded(command, command.callback)
 
 
@@ -124,8 +130,8 @@ def _check_port(flag: str, port: int, host_flag: str, host: str, addresses: list
     problems = {addr: _bind_problem(addr, port) for addr in addresses}
     for addr, problem in problems.items():
         if problem is not None and port and problem[0] == errno.EADDRINUSE:
-            raise StartupError(flag, port, f"{_where(addr, port)} is already in use "
-                               "(another process listens there; give another port)")
+            raise StartupError(flag, port, f"address already in use ({_where(addr, port)}: "
+                               "another process listens there; give another port)")
         if problem is not None and port and problem[0] == errno.EACCES:
             raise StartupError(flag, port, f"cannot bind {_where(addr, port)}: {problem[1]} "
                                "(ports below 1024 need privileges)")

@@ -58,12 +58,11 @@ def busy_port() -> Iterator[int]:
     (["conductor", "--port", "{busy}", "--metrics-port", "-1", "--prefill", "127.0.0.1:1",
       "--decode", "127.0.0.1:2"], "--port"),
     (["operator", "--metrics-port", "0", "--health-port", "{busy}"], "--health-port"),
-    (["up", "--port", "{busy}"], "--port"),
 ], ids=lambda a: " ".join(a) if isinstance(a, list) else a)
 def test_a_port_in_use_is_named_with_its_flag(busy_port: int, args: list[str],
                                               flag: str) -> None:
     r = _mooncake(*(a.format(busy=busy_port) for a in args))
-    line = _one_line(r, f"{flag} {busy_port}:", "already in use")
+    line = _one_line(r, f"{flag} {busy_port}:", "address already in use")
     assert line.startswith("Error: ")
 
 
@@ -128,6 +127,21 @@ def test_a_missing_model_is_named(tmp_path: object, command: list[str]) -> None:
     empty = str(tmp_path)
     r = _mooncake(*command, "--port", "0", "--metrics-port", "-1", "--model", empty)
     _one_line(r, f"--model {empty}:", "no config.json")
+
+
+def test_mooncake_up_leaves_its_childrens_ports_to_them() -> None:
+    """`up --port` is the Conductor's: the Conductor child reports it, and up's restart policy
+    turns the repeated exits into a crash loop (tests/e2e/test_up_supervise.py), so up itself
+    does not refuse it."""
+    from mooncake_k8s.cli.startup import SUPERVISORS
+
+    up = main.commands["up"]
+    assert "up" in SUPERVISORS and up.callback is not None
+    assert not hasattr(up.callback, "__wrapped__") and up.callback.__module__ == (
+        "mooncake_k8s.cli.serving")
+    conductor = main.commands["conductor"]
+    assert conductor.callback is not None
+    assert conductor.callback.__module__ == "mooncake_k8s.cli.startup"
 
 
 def test_a_validation_error_is_one_line_with_the_flag() -> None:
