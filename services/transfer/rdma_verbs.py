@@ -492,19 +492,8 @@ class RdmaTransport:
             rounds = plan_rounds(targets, max_message=link.params.max_message,
                                  max_outstanding=self._depth, stage_bytes=self._stage_bytes)
             sums = _Sums(items, with_checksum)
-            stage = self._stage_view
-            assert stage is not None
             try:
-                for rnd in rounds:
-                    if not is_read:
-                        for p in rnd:
-                            sums.copy(p, stage[p.stage_offset : p.stage_offset + p.length],
-                                      items[p.op_index][2][p.op_offset : p.op_offset + p.length])
-                    self._post_and_reap(link, rnd, is_read)
-                    if is_read:
-                        for p in rnd:
-                            sums.copy(p, items[p.op_index][2][p.op_offset : p.op_offset + p.length],
-                                      stage[p.stage_offset : p.stage_offset + p.length])
+                self._move(link, rounds, items, is_read, sums)
             except PyverbsError as e:
                 self._drop()
                 raise TransferError(f"RDMA transfer to {self.address} failed: {e}") from e
@@ -512,6 +501,24 @@ class RdmaTransport:
                 self._drop()
                 raise
             return sums.result()
+
+    def _move(self, link: _Link, rounds: list[list[Piece]],
+              items: list[tuple[SegmentDesc, int, memoryview]], is_read: bool,
+              sums: _Sums) -> None:
+        """Each round through the registered staging buffer: a WRITE's bytes are copied in
+        before the round is posted, a READ's copied out once it completed."""
+        stage = self._stage_view
+        assert stage is not None
+        for rnd in rounds:
+            if not is_read:
+                for p in rnd:
+                    sums.copy(p, stage[p.stage_offset : p.stage_offset + p.length],
+                              items[p.op_index][2][p.op_offset : p.op_offset + p.length])
+            self._post_and_reap(link, rnd, is_read)
+            if is_read:
+                for p in rnd:
+                    sums.copy(p, items[p.op_index][2][p.op_offset : p.op_offset + p.length],
+                              stage[p.stage_offset : p.stage_offset + p.length])
 
     def _post_and_reap(self, link: _Link, rnd: list[Piece], is_read: bool) -> None:
         opcode = pv_enums.IBV_WR_RDMA_READ if is_read else pv_enums.IBV_WR_RDMA_WRITE
