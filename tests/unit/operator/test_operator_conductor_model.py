@@ -105,10 +105,13 @@ def test_conductor_gets_a_local_model_with_its_own_tokenizer(
     kubernetes_validate.validate(r.get("Deployment", "demo-conductor"), K8S_VERSION, strict=True)
 
 
+@pytest.mark.parametrize("claim", [None, "model-cache"])
 def test_conductor_downloads_only_the_tokenizer_of_a_hub_model(
-        make_cluster: Callable[..., Obj]) -> None:
-    hf = {"id": "Qwen/Qwen2.5-7B-Instruct", "revision": "abc123",
-          "tokenSecret": {"name": "hf", "key": "token"}}
+        make_cluster: Callable[..., Obj], claim: str | None) -> None:
+    hf: Obj = {"id": "Qwen/Qwen2.5-7B-Instruct", "revision": "abc123",
+               "tokenSecret": {"name": "hf", "key": "token"}}
+    if claim:  # the workers share a download claim; the Conductor never mounts or waits on it
+        hf["cacheClaimName"] = claim
     r = render(validate_cluster(make_cluster({"model": {"huggingFace": hf}})))
     cond, worker = _template(r, "conductor"), _template(r, "decode")
     init = {c["name"]: c for c in cond["spec"]["initContainers"]}
@@ -160,9 +163,16 @@ def test_every_example_gives_the_conductor_the_workers_model(
         r, name = render(validate_cluster(doc)), doc["metadata"]["name"]
         cond, worker = _template(r, "conductor", name), _template(r, "prefill", name)
         cenv, wenv = _values(_main(cond)), _values(_main(worker))
-        for key in ("MOONCAKE_MODEL", "MOONCAKE_SERVED_MODEL_NAME"):
-            assert cenv[key] == wenv[key], (stem, key)
+        assert cenv["MOONCAKE_SERVED_MODEL_NAME"] == wenv["MOONCAKE_SERVED_MODEL_NAME"], stem
         model = doc["spec"].get("model", {})
+        if "huggingFace" in model:  # the same id and revision, tokenizer files only
+            cinit = {c["name"]: c for c in cond["spec"]["initContainers"]}
+            winit = {c["name"]: c for c in worker["spec"]["initContainers"]}
+            assert (cinit["tokenizer-download"]["command"][3:5]
+                    == winit["model-download"]["command"][3:5]), stem
+            assert cenv["MOONCAKE_MODEL"] == cinit["tokenizer-download"]["command"][5], stem
+        else:  # the same mounted source at the same path, or the built-in model ("")
+            assert cenv["MOONCAKE_MODEL"] == wenv["MOONCAKE_MODEL"], stem
         if any(k in model for k in ("pvc", "hostPath", "image")):
             cvol = {v["name"]: v for v in cond["spec"]["volumes"]}["model"]
             wvol = {v["name"]: v for v in worker["spec"]["volumes"]}["model"]
