@@ -130,9 +130,11 @@ class Conductor:
         # gRPC calls, even while nothing is being written (prefill, a non-streamed request).
         # auto_decompress off: compressed bodies are refused (415), never inflated.
         await self._start_metrics()
+        # shutdown_timeout: `drain` has already given requests their time; what runs after it
+        # is cancelled at once, so the process exits within the pod's grace period.
         self._runner = web.AppRunner(make_app(self.frontend, self.deadlines,
                                               with_metrics=self.config.metrics_on_api_port),
-                                     handler_cancellation=True)
+                                     handler_cancellation=True, shutdown_timeout=1.0)
         await self._runner.setup()
         self._listener = await self.deadlines.serve(
             self._runner, self.config.host, self.config.port, access_log=None,

@@ -277,6 +277,34 @@ def _operator_reports_it(c: Conductor, message: str) -> None:
     assert "demo-conductor-0: tokenizer mismatch" in degraded["message"]
 
 
+def _long_stream(stack: contextlib.ExitStack, c: Conductor, n: int
+                 ) -> tuple[http.client.HTTPResponse, bytes]:
+    """A streamed completion of `n` tokens (seconds long), its first event already read."""
+    conn = http.client.HTTPConnection(HOST, c.port, timeout=300)
+    stack.callback(conn.close)
+    conn.request("POST", "/v1/completions", json.dumps({
+        "model": NAME, "prompt": "amber dune", "max_tokens": n, "temperature": 0,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+    }), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    first = resp.readline()
+    assert first.startswith(b"data: ")
+    return resp, first
+
+
+def _rest(resp: http.client.HTTPResponse, first: bytes) -> tuple[list[Any], bool]:
+    """Every event of the stream and whether it ended with [DONE] (not cut)."""
+    events, done = [json.loads(first[6:])], False
+    with contextlib.suppress(http.client.IncompleteRead, ConnectionError):
+        for line in resp:
+            if line.strip() == b"data: [DONE]":
+                done = True
+            elif line.startswith(b"data: "):
+                events.append(json.loads(line[6:]))
+    return events, done
+
+
 def test_sigterm_drains_a_stream_then_exits_zero(cluster: LocalCluster, model_dir: Path,
                                                  tmp_path: Path) -> None:
     with contextlib.ExitStack() as stack:
@@ -284,28 +312,31 @@ def test_sigterm_drains_a_stream_then_exits_zero(cluster: LocalCluster, model_di
                                            str(model_dir), "--shutdown-timeout", "300"))
         _readyz(c, 120, 200, "ready")
         n = 4000  # long enough that it is still streaming while the checks below run
-        conn = http.client.HTTPConnection(HOST, c.port, timeout=300)
-        stack.callback(conn.close)
-        conn.request("POST", "/v1/completions", json.dumps({
-            "model": NAME, "prompt": "amber dune", "max_tokens": n, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-        }), {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        assert resp.status == 200
-        first = resp.readline()
-        assert first.startswith(b"data: ")
+        resp, first = _long_stream(stack, c, n)
         c.proc.send_signal(signal.SIGTERM)
         _readyz(c, 60, 503, "shutting down")
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection((HOST, c.port), timeout=5).close()
-        events, done = [json.loads(first[6:])], False
-        for line in resp:
-            if line.strip() == b"data: [DONE]":
-                done = True
-            elif line.startswith(b"data: "):
-                events.append(json.loads(line[6:]))
+        events, done = _rest(resp, first)
         assert done, "the stream must end with [DONE], not be cut"
         assert events[-1]["usage"]["completion_tokens"] == n
         assert events[-2]["choices"][0]["finish_reason"] == "length"
         assert c.proc.wait(timeout=120) == 0, c.log_text()
         assert "conductor draining" in c.log_text()
+
+
+def test_second_sigterm_ends_the_drain_at_once(cluster: LocalCluster, model_dir: Path,
+                                               tmp_path: Path) -> None:
+    """The drain's deadline, reached early: what still streams is cut, the exit is clean."""
+    with contextlib.ExitStack() as stack:
+        c = stack.enter_context(_conductor(cluster, tmp_path / "hurry.log", "--model",
+                                           str(model_dir), "--shutdown-timeout", "300"))
+        _readyz(c, 120, 200, "ready")
+        resp, first = _long_stream(stack, c, 4000)
+        c.proc.send_signal(signal.SIGTERM)
+        _readyz(c, 60, 503, "shutting down")
+        c.proc.send_signal(signal.SIGTERM)
+        assert c.proc.wait(timeout=60) == 0, c.log_text()
+        events, done = _rest(resp, first)
+        assert not done and len(events) < 4000
+        assert "stopping with requests still in flight" in c.log_text()
