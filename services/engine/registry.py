@@ -5,16 +5,19 @@ kind's adapter, and the engine it needs, are imported when it opens an engine); 
 names where.
 Nothing is imported until a kind is looked up, so a worker running the embedded engine never
 imports vLLM's or SGLang's adapters (and a machine without them can still run it), and the CLI
-can list the kinds without loading any.
+can list the kinds without loading any (importing this module loads nothing but it: the
+seam itself is imported on the first lookup).
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from mooncake_k8s.common.errors import InvalidArgument
 
-from .api import EngineKind
+if TYPE_CHECKING:
+    from .api import EngineKind
 
 _KINDS: dict[str, str] = {
     "embedded": "mooncake_k8s.engine.embedded.kind:EmbeddedKind",
@@ -35,6 +38,8 @@ def engine_kind(name: str) -> type[EngineKind]:
     target = _KINDS.get(name)
     if target is None:
         raise UnknownEngineKind(f"unknown engine kind {name!r}; known: {', '.join(_KINDS)}")
+    from .api import EngineKind
+
     module, _, attr = target.partition(":")
     found = getattr(importlib.import_module(module), attr)
     if not (isinstance(found, type) and issubclass(found, EngineKind)) or found.name != name:
