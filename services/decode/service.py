@@ -114,9 +114,8 @@ class DecodeService(DecodeWorker):
             rep.kv_capacity_tokens = load.kv_capacity_tokens
             self.m_running.set(load.running)
             self.m_kv_free.set(load.kv_free_tokens)
-            steps = getattr(self.engine, "step_seconds", None)
-            while steps is not None and not steps.empty():
-                self.m_step.observe(steps.get())
+            for secs in self.engine.step_seconds():
+                self.m_step.observe(secs)
         return rep
 
     def stop(self) -> None:

@@ -85,6 +85,10 @@ class ChildEngine(ABC):
             self._load_at = time.monotonic()
             return self._load
 
+    def step_seconds(self) -> list[float]:
+        """The server times its own steps (in its own metrics), not us."""
+        return []
+
     @abstractmethod
     def read_load(self, metrics: str) -> EngineLoad:
         """The load in the server's Prometheus text (its own metric names)."""

@@ -271,6 +271,11 @@ class DecodeEngine(Engine, Protocol):
         threads at once; stops early (and frees the sequence) once `cancelled` is set."""
         ...
 
+    def step_seconds(self) -> list[float]:
+        """Durations of the batched steps since the last call ([] where the engine does not
+        time its own steps, as with a server child): the service's step histogram."""
+        ...
+
 
 class KVStore(Protocol):
     """The pool as an engine in the worker's own process sees it (the worker's store client).

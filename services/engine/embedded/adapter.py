@@ -204,7 +204,7 @@ class EmbeddedDecode(_Embedded):
         self._wake = threading.Event()
         self._stop = threading.Event()
         self.kv_bytes_loaded = 0
-        self.step_seconds: queue.SimpleQueue[float] = queue.SimpleQueue()
+        self._steps: queue.SimpleQueue[float] = queue.SimpleQueue()
         """Durations of batched steps, drained by the service into its histogram."""
         self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
         self._thread.start()
@@ -216,6 +216,12 @@ class EmbeddedDecode(_Embedded):
     def counters(self) -> list[EngineCounter]:
         return [EngineCounter("mooncake_decode_kv_bytes_total", "KV bytes loaded from the store",
                               self.kv_bytes_loaded)]
+
+    def step_seconds(self) -> list[float]:
+        out: list[float] = []
+        while not self._steps.empty():
+            out.append(self._steps.get())
+        return out
 
     def load(self) -> EngineLoad:
         load = self.engine.load()
@@ -298,7 +304,7 @@ class EmbeddedDecode(_Embedded):
                         engine.abort(rid)
                 self._running.clear()
                 continue
-            self.step_seconds.put(time.monotonic() - t0)
+            self._steps.put(time.monotonic() - t0)
             for o in outs:
                 target = self._running.get(o.seq_id)
                 if target is None:
