@@ -3,8 +3,9 @@
 `embedded/` (our PyTorch engine), `vllm/` and `sglang/` (servers a worker runs as its child,
 sharing `child` and `adapter`). `loading` finds and names the model every kind serves.
 
-The embedded engine's public names are also importable from here, loaded on first use, so
-importing the seam (`engine.api`) never loads torch.
+The embedded engine's public names are also importable from here, loaded on first use (from
+`embedded`, which loads each from its own module), so importing the seam (`engine.api`) or a
+kind never loads torch.
 """
 
 from __future__ import annotations

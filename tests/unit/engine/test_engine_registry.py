@@ -38,12 +38,12 @@ def test_an_unknown_kind_is_named_in_the_error() -> None:
     assert issubclass(UnknownEngineKind, InvalidArgument)
 
 
-def test_looking_up_the_server_kinds_imports_neither_server_nor_torch() -> None:
+def test_looking_up_a_kind_imports_neither_its_server_nor_torch() -> None:
     """The CLI asks a kind what is missing before anything else: that must work where the
     kind's package is not installed, and cost nothing where it is."""
     code = ("import sys\n"
-            "from mooncake_k8s.engine.registry import engine_kind\n"
-            "for k in ('vllm', 'sglang'):\n"
+            "from mooncake_k8s.engine.registry import ENGINE_KINDS, engine_kind\n"
+            "for k in ENGINE_KINDS:\n"
             "    engine_kind(k).missing()\n"
             "print(sorted(m for m in ('vllm', 'sglang', 'torch', 'transformers') "
             "if m in sys.modules))\n")
