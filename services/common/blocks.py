@@ -26,11 +26,10 @@ from typing import Any
 
 import numpy as np
 
+from mooncake_k8s.common.buffers import byte_view
+from mooncake_k8s.common.checksum import checksum
 from mooncake_k8s.common.defaults import BLOCK_TOKENS
-
-from .buffers import byte_view
-from .checksum import checksum
-from .errors import IntegrityError, InvalidArgument
+from mooncake_k8s.common.errors import IntegrityError, InvalidArgument
 
 LAYOUT_VERSION = 1
 MAGIC = b"MCKV"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import InvalidArgument
+from mooncake_k8s.common.errors import InvalidArgument
 
 
 def byte_view(buf: Any, *, writable: bool = False) -> memoryview:

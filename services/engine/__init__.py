@@ -14,7 +14,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .embedded import (
+    from mooncake_k8s.engine.embedded import (
         BUILTIN_NAME,
         BatchLoad,
         Engine,

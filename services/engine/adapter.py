@@ -20,9 +20,8 @@ from typing import Any
 
 from mooncake_k8s.common.blocks import engine_cache_salt
 from mooncake_k8s.common.errors import InvalidArgument
-
-from .api import EngineFailed, EngineInfo, EngineKind, EngineLoad, EngineSettings
-from .child import EngineChild, EngineHttpError
+from mooncake_k8s.engine.api import EngineFailed, EngineInfo, EngineKind, EngineLoad, EngineSettings
+from mooncake_k8s.engine.child import EngineChild, EngineHttpError
 
 LOAD_CACHE_S = 0.2
 """The engine's gauges are read at most this often (the Conductor polls every worker)."""

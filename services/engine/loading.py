@@ -30,8 +30,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..common.errors import InvalidArgument, MooncakeError
-from .api import ModelConfig
+from mooncake_k8s.common.errors import InvalidArgument, MooncakeError
+from mooncake_k8s.engine.api import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +204,7 @@ def load_tokenizer(path: Path) -> Any | None:
 def dir_tokenizer_fingerprint(path: Path) -> str:
     """`common.tokenizer_id` of the tokenizer in a model directory ("" when it has none): what
     an engine that tokenises in its own processes (vLLM, SGLang) reports to the Conductor."""
-    from ..common.tokenizer_id import tokenizer_fingerprint
+    from mooncake_k8s.common.tokenizer_id import tokenizer_fingerprint
 
     tokenizer = load_tokenizer(path)
     return tokenizer_fingerprint(tokenizer) if tokenizer is not None else ""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from mooncake_k8s.common.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from .api import EngineKind
+    from mooncake_k8s.engine.api import EngineKind
 
 _KINDS: dict[str, str] = {
     "embedded": "mooncake_k8s.engine.embedded.kind:EmbeddedKind",
@@ -38,7 +38,7 @@ def engine_kind(name: str) -> type[EngineKind]:
     target = _KINDS.get(name)
     if target is None:
         raise UnknownEngineKind(f"unknown engine kind {name!r}; known: {', '.join(_KINDS)}")
-    from .api import EngineKind
+    from mooncake_k8s.engine.api import EngineKind
 
     module, _, attr = target.partition(":")
     found = getattr(importlib.import_module(module), attr)

@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from mooncake_k8s.common.errors import AuthError, InvalidArgument, ProtocolError, TransferError
+from mooncake_k8s.sidecar import protocol as p
 from mooncake_k8s.store.client.pagepool import (
     Page,
     PoolUnavailable,
@@ -41,8 +42,6 @@ from mooncake_k8s.store.client.pagepool import (
     page_views,
 )
 from mooncake_k8s.transfer.segments import Segment, SegmentDesc, Tier
-
-from . import protocol as p
 
 log = logging.getLogger(__name__)
 

@@ -38,10 +38,9 @@ from typing import Any
 
 from mooncake_k8s.common import auth
 from mooncake_k8s.common.errors import InvalidArgument, ProtocolError
+from mooncake_k8s.sidecar import protocol as p
 from mooncake_k8s.store.client.pagepool import DirectPagePool, PoolUnavailable
 from mooncake_k8s.transfer.segments import Segment
-
-from . import protocol as p
 
 log = logging.getLogger(__name__)
 

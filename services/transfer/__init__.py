@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from .engine import TransferEngine
-from .ops import Peer, ReadOp, TransferRejected, WriteOp
-from .rdma import RdmaStatus, detect_rdma
-from .segments import Segment, SegmentDesc, Tier
-from .shm import ShmMapError, ShmTransport
-from .tcp import TcpTransport, TransferServer
+from mooncake_k8s.transfer.engine import TransferEngine
+from mooncake_k8s.transfer.ops import Peer, ReadOp, TransferRejected, WriteOp
+from mooncake_k8s.transfer.rdma import RdmaStatus, detect_rdma
+from mooncake_k8s.transfer.segments import Segment, SegmentDesc, Tier
+from mooncake_k8s.transfer.shm import ShmMapError, ShmTransport
+from mooncake_k8s.transfer.tcp import TcpTransport, TransferServer
 
 __all__ = [
     "Peer",

@@ -42,8 +42,7 @@ from collections.abc import Callable
 
 from mooncake_k8s.common.auth import token_matches
 from mooncake_k8s.common.errors import ProtocolError
-
-from .frames import (
+from mooncake_k8s.transfer.frames import (
     HELLO,
     HELLO_AUTH_FAILED,
     HELLO_BAD_VERSION,

@@ -21,11 +21,10 @@ from typing import Any
 
 from mooncake_k8s.common.errors import InvalidArgument
 from mooncake_k8s.common.netutil import local_host_id
-
-from .ops import Peer, ReadOp, TransferRejected, WriteOp
-from .rdma import RdmaStatus, cached_rdma_status, rdma_state
-from .shm import ShmMapError, ShmTransport
-from .tcp import TcpTransport
+from mooncake_k8s.transfer.ops import Peer, ReadOp, TransferRejected, WriteOp
+from mooncake_k8s.transfer.rdma import RdmaStatus, cached_rdma_status, rdma_state
+from mooncake_k8s.transfer.shm import ShmMapError, ShmTransport
+from mooncake_k8s.transfer.tcp import TcpTransport
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +97,7 @@ class TransferEngine:
                     f"transport 'rdma' asked for but unavailable: {self._rdma.reason}"
                 )
             try:
-                from .rdma_verbs import open_device
+                from mooncake_k8s.transfer.rdma_verbs import open_device
 
                 self._device = open_device()
             except Exception as e:
@@ -141,7 +140,7 @@ class TransferEngine:
     def _rdma_for(self, peer: Peer) -> Any:
         t = self._rdma_peers.get(peer.address)
         if t is None:
-            from .rdma_verbs import RdmaTransport
+            from mooncake_k8s.transfer.rdma_verbs import RdmaTransport
 
             control = self._tcp_for(peer)
             with self._lock:
@@ -158,7 +157,7 @@ class TransferEngine:
                    with_checksum: bool) -> list[int] | None:
         """One call over RDMA. Raises `_NoRdma` (after marking the peer) when the peer cannot
         serve RDMA, so the caller goes on over TCP; any other failure drops the queue pair."""
-        from .rdma_verbs import RdmaUnsupported
+        from mooncake_k8s.transfer.rdma_verbs import RdmaUnsupported
 
         t = self._rdma_for(peer)
         try:

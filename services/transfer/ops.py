@@ -7,9 +7,8 @@ from typing import Any
 
 from mooncake_k8s.common.buffers import byte_view
 from mooncake_k8s.common.errors import TransferError
-
-from .frames import ST_OUT_OF_RANGE
-from .segments import SegmentDesc
+from mooncake_k8s.transfer.frames import ST_OUT_OF_RANGE
+from mooncake_k8s.transfer.segments import SegmentDesc
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .frames import ST_OUT_OF_RANGE, ST_UNKNOWN_SEGMENT, RdmaEndpoint, RdmaRegion
-from .ops import TransferRejected
+from mooncake_k8s.transfer.frames import (
+    ST_OUT_OF_RANGE,
+    ST_UNKNOWN_SEGMENT,
+    RdmaEndpoint,
+    RdmaRegion,
+)
+from mooncake_k8s.transfer.ops import TransferRejected
 
 STAGE_ALIGN = 64
 """Pieces start on cache-line boundaries of the staging buffer (keeps DMA off shared lines)."""

@@ -55,16 +55,15 @@ from pyverbs.pyverbs_error import PyverbsError
 
 from mooncake_k8s.common.checksum import StreamingChecksum, copy_with_checksum
 from mooncake_k8s.common.errors import TransferError, TransferTimeout
-
-from .frames import (
+from mooncake_k8s.transfer.frames import (
     ST_UNSUPPORTED,
     RdmaEndpoint,
     RdmaRegion,
     decode_rdma_endpoint,
     encode_rdma_endpoint,
 )
-from .ops import ReadOp, TransferRejected, WriteOp, as_view, check_range
-from .rdma_plan import (
+from mooncake_k8s.transfer.ops import ReadOp, TransferRejected, WriteOp, as_view, check_range
+from mooncake_k8s.transfer.rdma_plan import (
     PathParams,
     Piece,
     RegionMap,
@@ -74,7 +73,7 @@ from .rdma_plan import (
     negotiate,
     plan_rounds,
 )
-from .segments import SegmentDesc
+from mooncake_k8s.transfer.segments import SegmentDesc
 
 log = logging.getLogger(__name__)
 

@@ -22,11 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mooncake_k8s.common.errors import InvalidArgument, TransferError
-
-from .engine import TransferEngine
-from .ops import Peer, ReadOp, WriteOp
-from .segments import SegmentDesc, Tier
-from .tcp_server import TransferServer
+from mooncake_k8s.transfer.engine import TransferEngine
+from mooncake_k8s.transfer.ops import Peer, ReadOp, WriteOp
+from mooncake_k8s.transfer.segments import SegmentDesc, Tier
+from mooncake_k8s.transfer.tcp_server import TransferServer
 
 DIRECTORY = "regions"
 _HEAD = struct.Struct("<QI")

@@ -14,9 +14,8 @@ from typing import Any
 
 from mooncake_k8s.common.checksum import copy_with_checksum
 from mooncake_k8s.common.errors import TransferError
-
-from .ops import ReadOp, WriteOp, as_view, check_range
-from .segments import Segment, SegmentDesc
+from mooncake_k8s.transfer.ops import ReadOp, WriteOp, as_view, check_range
+from mooncake_k8s.transfer.segments import Segment, SegmentDesc
 
 
 class ShmMapError(TransferError):

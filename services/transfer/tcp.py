@@ -23,8 +23,7 @@ from mooncake_k8s.common.errors import (
     TransferTimeout,
 )
 from mooncake_k8s.common.netutil import split_address
-
-from .frames import (
+from mooncake_k8s.transfer.frames import (
     HELLO_AUTH_FAILED,
     HELLO_BUSY,
     HELLO_OK,
@@ -45,9 +44,9 @@ from .frames import (
     encode_name,
     encode_request,
 )
-from .ops import ReadOp, TransferRejected, WriteOp, as_view, check_range
-from .tcp_io import SMALL, SOCK_BUF, Closed, Reader, tune
-from .tcp_pipe import (
+from mooncake_k8s.transfer.ops import ReadOp, TransferRejected, WriteOp, as_view, check_range
+from mooncake_k8s.transfer.tcp_io import SMALL, SOCK_BUF, Closed, Reader, tune
+from mooncake_k8s.transfer.tcp_pipe import (
     Conn,
     Sub,
     finish_read,
@@ -56,7 +55,7 @@ from .tcp_pipe import (
     send_write,
     start_read,
 )
-from .tcp_server import TransferServer
+from mooncake_k8s.transfer.tcp_server import TransferServer
 
 __all__ = ["TcpTransport", "TransferServer"]
 

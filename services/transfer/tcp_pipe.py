@@ -12,9 +12,8 @@ import contextlib
 import socket
 
 from mooncake_k8s.common.checksum import CHUNK, StreamingChecksum, checksum
-
-from .frames import OP_WRITE, REQ_MAGIC, REQUEST, RESPONSE
-from .tcp_io import RECV_CHUNK, SMALL, Closed, Reader, sendv
+from mooncake_k8s.transfer.frames import OP_WRITE, REQ_MAGIC, REQUEST, RESPONSE
+from mooncake_k8s.transfer.tcp_io import RECV_CHUNK, SMALL, Closed, Reader, sendv
 
 
 class Conn:

@@ -28,9 +28,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from mooncake_k8s.common.errors import ProtocolError
-
-from .admission import FrontDoor
-from .frames import (
+from mooncake_k8s.transfer.admission import FrontDoor
+from mooncake_k8s.transfer.frames import (
     OP_RDMA_CONNECT,
     OP_READ,
     OP_WRITE,
@@ -50,9 +49,9 @@ from .frames import (
     encode_name,
     encode_rdma_endpoint,
 )
-from .rdma import cached_rdma_status
-from .segments import Segment
-from .tcp_io import SOCK_BUF, Reader, sendv, tune
+from mooncake_k8s.transfer.rdma import cached_rdma_status
+from mooncake_k8s.transfer.segments import Segment
+from mooncake_k8s.transfer.tcp_io import SOCK_BUF, Reader, sendv, tune
 
 log = logging.getLogger(__name__)
 
@@ -281,7 +280,7 @@ class TransferServer:
                 self._rdma_problem = status.reason
                 return None, status.reason
             try:
-                from .rdma_verbs import RdmaResponder, open_device
+                from mooncake_k8s.transfer.rdma_verbs import RdmaResponder, open_device
 
                 self._rdma = RdmaResponder(open_device())
             except Exception as e:  # pyverbs errors, or no usable port

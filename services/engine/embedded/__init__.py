@@ -12,9 +12,8 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..loading import BUILTIN_NAME, ModelLoadError
-    from .engine import Engine, load_engine
-    from .structs import (
+    from mooncake_k8s.engine.embedded.engine import Engine, load_engine
+    from mooncake_k8s.engine.embedded.structs import (
         BatchLoad,
         EngineConfig,
         EngineFull,
@@ -22,6 +21,7 @@ if TYPE_CHECKING:
         SamplingParams,
         StepOutput,
     )
+    from mooncake_k8s.engine.loading import BUILTIN_NAME, ModelLoadError
 
 _HOMES = {
     "BUILTIN_NAME": "..loading", "ModelLoadError": "..loading",

@@ -42,9 +42,13 @@ from mooncake_k8s.engine.api import (
     PrefillWork,
     TokenOut,
 )
-
-from .engine import Engine, load_engine
-from .structs import EngineConfig, EngineFull, PrefillResult, SamplingParams
+from mooncake_k8s.engine.embedded.engine import Engine, load_engine
+from mooncake_k8s.engine.embedded.structs import (
+    EngineConfig,
+    EngineFull,
+    PrefillResult,
+    SamplingParams,
+)
 
 log = logging.getLogger(__name__)
 

@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 
-from ...common import blocks as kvfmt
-from ...common.errors import IntegrityError, InvalidArgument
-from . import hfmodel
-from .detokenizing import TextStream
-from .kvblocks import BlockCodec
-from .sampling import random_seed, sample_batch, sample_one
-from .structs import (
+from mooncake_k8s.common import blocks as kvfmt
+from mooncake_k8s.common.errors import IntegrityError, InvalidArgument
+from mooncake_k8s.engine.embedded import hfmodel
+from mooncake_k8s.engine.embedded.detokenizing import TextStream
+from mooncake_k8s.engine.embedded.kvblocks import BlockCodec
+from mooncake_k8s.engine.embedded.sampling import random_seed, sample_batch, sample_one
+from mooncake_k8s.engine.embedded.structs import (
     BatchLoad,
     EngineConfig,
     EngineFull,
@@ -40,7 +40,7 @@ from .structs import (
     SamplingParams,
     StepOutput,
 )
-from .transformer import Transformer
+from mooncake_k8s.engine.embedded.transformer import Transformer
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from ...common.errors import InvalidArgument
-from ..loading import (
+from mooncake_k8s.common.errors import InvalidArgument
+from mooncake_k8s.engine.embedded.structs import EngineConfig
+from mooncake_k8s.engine.loading import (
     ModelLoadError,
     ensure_builtin,
     load_tokenizer,
@@ -24,7 +25,6 @@ from ..loading import (
     progress_bars,
     transformers_module,
 )
-from .structs import EngineConfig
 
 #: Architectures whose decoder layers have the Llama shape our forward pass implements.
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})

@@ -12,8 +12,7 @@ from mooncake_k8s.engine.api import (
     ModelConfig,
     PrefillEngine,
 )
-
-from .structs import EngineConfig
+from mooncake_k8s.engine.embedded.structs import EngineConfig
 
 
 def engine_config(model: ModelConfig) -> EngineConfig:
@@ -31,12 +30,12 @@ class EmbeddedKind(EngineKind):
 
     @classmethod
     def open_prefill(cls, ctx: EngineContext) -> PrefillEngine:
-        from .adapter import EmbeddedPrefill
+        from mooncake_k8s.engine.embedded.adapter import EmbeddedPrefill
 
         return EmbeddedPrefill(engine_config(ctx.model), ctx.store)
 
     @classmethod
     def open_decode(cls, ctx: EngineContext) -> DecodeEngine:
-        from .adapter import EmbeddedDecode
+        from mooncake_k8s.engine.embedded.adapter import EmbeddedDecode
 
         return EmbeddedDecode(engine_config(ctx.model), ctx.store)

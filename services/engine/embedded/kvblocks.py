@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from ...common.blocks import HEADER_SIZE, BlockLayout, decode_block, encode_header
-from ...common.buffers import byte_view
-from ...common.errors import IntegrityError
+from mooncake_k8s.common.blocks import HEADER_SIZE, BlockLayout, decode_block, encode_header
+from mooncake_k8s.common.buffers import byte_view
+from mooncake_k8s.common.errors import IntegrityError
 
 _TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: Blocks per staging group on a GPU (a group's bytes are staged at once).

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .structs import SamplingParams
+from mooncake_k8s.engine.embedded.structs import SamplingParams
 
 
 def random_seed() -> int:

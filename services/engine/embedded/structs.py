@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ...common.errors import InvalidArgument, MooncakeError
-from ..api import ModelConfig
+from mooncake_k8s.common.errors import InvalidArgument, MooncakeError
+from mooncake_k8s.engine.api import ModelConfig
 
 #: Longest stop string we accept: stop matching rescans this many characters per token.
 MAX_STOP_CHARS = 256

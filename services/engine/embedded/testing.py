@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from .engine import Engine
-from .structs import PrefillResult, SamplingParams
+from mooncake_k8s.engine.embedded.engine import Engine
+from mooncake_k8s.engine.embedded.structs import PrefillResult, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20)
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ...common.errors import InvalidArgument
+from mooncake_k8s.common.errors import InvalidArgument
 
 log = logging.getLogger(__name__)
 

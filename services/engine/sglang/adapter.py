@@ -38,9 +38,8 @@ from mooncake_k8s.engine.api import (
     TokenOut,
 )
 from mooncake_k8s.engine.loading import dir_tokenizer_fingerprint, model_source
-
-from .kind import SglangSettings
-from .server import SglangError, SglangServer, SglangServerConfig
+from mooncake_k8s.engine.sglang.kind import SglangSettings
+from mooncake_k8s.engine.sglang.server import SglangError, SglangServer, SglangServerConfig
 
 HICACHE_OUTCOMES = ("pages_loaded", "pages_missed", "pages_saved", "save_failed")
 

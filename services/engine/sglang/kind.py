@@ -7,8 +7,7 @@ from dataclasses import dataclass
 
 from mooncake_k8s.engine.adapter import ChildKind, ChildSettings
 from mooncake_k8s.engine.api import DecodeEngine, EngineContext, PrefillEngine
-
-from .server import OWNED_FLAGS, check_installed
+from mooncake_k8s.engine.sglang.server import OWNED_FLAGS, check_installed
 
 
 @dataclass(frozen=True)
@@ -37,12 +36,12 @@ class SglangKind(ChildKind):
 
     @classmethod
     def open_prefill(cls, ctx: EngineContext) -> PrefillEngine:
-        from .adapter import SglangPrefill
+        from mooncake_k8s.engine.sglang.adapter import SglangPrefill
 
         return SglangPrefill(ctx)
 
     @classmethod
     def open_decode(cls, ctx: EngineContext) -> DecodeEngine:
-        from .adapter import SglangDecode
+        from mooncake_k8s.engine.sglang.adapter import SglangDecode
 
         return SglangDecode(ctx)

@@ -24,10 +24,10 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from .transfer import OurTransferEngine
+    from mooncake_k8s.engine.sglang.transfer import OurTransferEngine
 
     HookRegistry.register(TE_TARGET, OurTransferEngine, HookType.REPLACE)
     if os.environ.get("SGLANG_USE_CPU_ENGINE") == "1":
-        from . import cpushims
+        from mooncake_k8s.engine.sglang import cpushims
 
         cpushims.apply()

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from mooncake_k8s.engine.adapter import ChildKind
 from mooncake_k8s.engine.api import DecodeEngine, EngineContext, PrefillEngine
-
-from .server import OWNED_FLAGS, check_installed
+from mooncake_k8s.engine.vllm.server import OWNED_FLAGS, check_installed
 
 
 class VllmKind(ChildKind):
@@ -21,12 +20,12 @@ class VllmKind(ChildKind):
 
     @classmethod
     def open_prefill(cls, ctx: EngineContext) -> PrefillEngine:
-        from .adapter import VllmPrefill
+        from mooncake_k8s.engine.vllm.adapter import VllmPrefill
 
         return VllmPrefill(ctx)
 
     @classmethod
     def open_decode(cls, ctx: EngineContext) -> DecodeEngine:
-        from .adapter import VllmDecode
+        from mooncake_k8s.engine.vllm.adapter import VllmDecode
 
         return VllmDecode(ctx)
