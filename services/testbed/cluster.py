@@ -1,0 +1,192 @@
+"""`mooncake up`'s cluster with every component on its own emulated host (`Testbed`).
+
+The master, one storage node, N prefill and M decode workers and the Conductor run the same
+`mooncake` commands `up.LocalCluster` starts, each bound to its host's address: KV then moves
+between hosts over TCP through shaped links, where the byte counters see it. Hosts are named
+`master`, `store`, `prefill-<i>`, `decode-<i>` and `conductor`; clients run on the Conductor's
+host (`BedCluster.client_call`), so their traffic stays off the bridge.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from mooncake_k8s.testbed.bed import Host, Testbed
+from mooncake_k8s.up import UpConfig, prepare_model
+
+T = TypeVar("T")
+
+
+@dataclass
+class BedConfig:
+    prefill: int = 2
+    decode: int = 2
+    rate: str | None = "1gbit"
+    """Every host's link rate, both directions (None: unlimited)."""
+    delay: str | None = None
+    loss: str | None = None
+    store_size: int = 256 << 20
+    decode_segment_size: int = 128 << 20
+    store_replicas: int = 2
+    threads: int = 1
+    ready_timeout_s: float = 300.0
+    log_dir: str | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+class BedCluster:
+    """Start with `with BedCluster(bed, BedConfig()) as c:`; `c.base_url` is the Conductor's
+    API, reachable from its host (`c.client_call(fn)`)."""
+
+    def __init__(self, bed: Testbed, config: BedConfig,
+                 echo: Callable[[str], None] = print) -> None:
+        self.bed = bed
+        self.config = config
+        self.echo = echo
+        self.token = secrets.token_hex(16)
+        self.log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="mooncake-bed-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        # One port per role on every host (each host has its own ports). Random per cluster:
+        # shared-memory names (host-wide, /dev/shm is shared) include the decode's port.
+        base = random.randrange(20000, 30000, 10)
+        self.master_port, self.service_port, self.metrics_port = base, base + 1, base + 2
+        self.hosts: dict[str, Host] = {}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    @property
+    def master(self) -> str:
+        return f"{self.hosts['master'].addr}:{self.master_port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.hosts['conductor'].addr}:{self.service_port}"
+
+    @property
+    def workers(self) -> list[str]:
+        c = self.config
+        return [f"prefill-{i}" for i in range(c.prefill)] + [f"decode-{i}" for i in range(c.decode)]
+
+    def client_call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn` run on the Conductor's host (a client there talks to it over loopback)."""
+        return self.hosts["conductor"].call(fn, *args, **kwargs)
+
+    def _host(self, name: str) -> Host:
+        c = self.config
+        self.hosts[name] = self.bed.host(name, rate=c.rate, delay=c.delay, loss=c.loss)
+        return self.hosts[name]
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        env = {**os.environ, **self.config.extra_env, "MOONCAKE_CLUSTER_TOKEN": self.token,
+               "PYTHONUNBUFFERED": "1", "MOONCAKE_LOG_FORMAT": "text"}
+        self.procs[name] = self.hosts[name].spawn(
+            [sys.executable, "-m", "mooncake_k8s.cli", *args], env=env,
+            log=self.log_dir / f"{name}.log")
+
+    def start(self) -> None:
+        c = self.config
+        prepare_model(UpConfig(), self.echo)
+        for name in ("master", "store", *self.workers, "conductor"):
+            self._host(name)
+        m = self.hosts["master"].addr
+        self._spawn("master", ["store", "master", "--host", m, "--port", str(self.master_port),
+                               "--metrics-port", str(self.metrics_port),
+                               "--state-dir", str(self.log_dir / "master-state")])
+        self._spawn("store", ["store", "node", "--master", self.master,
+                              "--host", self.hosts["store"].addr,
+                              "--node-id", f"store-{self.token[:12]}",
+                              "--dram-size", str(c.store_size),
+                              "--metrics-port", str(self.metrics_port)])
+        model = ["--block-tokens", str(UpConfig().block_tokens), "--threads", str(c.threads)]
+        for name in self.workers:
+            role = name.split("-")[0]
+            args = [role, "--host", self.hosts[name].addr, "--port", str(self.service_port),
+                    "--master", self.master, "--metrics-port", str(self.metrics_port),
+                    "--instance-id", name, *model]
+            if role == "decode":
+                args += ["--local-segment-size", str(c.decode_segment_size)]
+            else:
+                args += ["--store-replicas", str(c.store_replicas)]
+            self._spawn(name, args)
+
+        def addrs(role: str) -> str:
+            return ",".join(f"{self.hosts[n].addr}:{self.service_port}"
+                            for n in self.workers if n.startswith(role))
+
+        self._spawn("conductor", [
+            "conductor", "--host", self.hosts["conductor"].addr, "--port", str(self.service_port),
+            "--master", self.master, "--prefill", addrs("prefill"), "--decode", addrs("decode"),
+            "--metrics-port", str(self.metrics_port), "--metrics-on-api-port", *model])
+
+    def wait_ready(self) -> None:
+        """Block until every worker's and the Conductor's /readyz says 200, each asked from its
+        own host (no bytes on the bridge); fail at once if any process exits."""
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        for name in [*self.workers, "conductor"]:
+            url = f"http://{self.hosts[name].addr}:{self.metrics_port}/readyz"
+            while not self.hosts[name].call(_http_ok, url):
+                self.check_alive()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{name} not ready within "
+                                       f"{self.config.ready_timeout_s:.0f}s; see {self.log(name)}")
+                time.sleep(0.2)
+            self.echo(f"  {name} ready on {self.hosts[name].addr}")
+
+    def log(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    def check_alive(self) -> None:
+        for name, p in self.procs.items():
+            if p.poll() is not None:
+                tail = self.log(name).read_text(errors="replace")[-4000:]
+                raise RuntimeError(f"{name} exited with {p.returncode}:\n{tail}")
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM front to back (Conductor, workers, store, master), SIGKILL stragglers."""
+        order = ["conductor", *self.workers, "store", "master"]
+        procs = [self.procs[n] for n in order if n in self.procs]
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+
+    def __enter__(self) -> BedCluster:
+        try:
+            self.start()
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+
+def _http_ok(url: str) -> bool:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=2) as r:
+            return bool(r.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
