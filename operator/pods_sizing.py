@@ -14,7 +14,8 @@ import math
 from typing import Any
 
 from mooncake_k8s.operator import corev1, naming
-from mooncake_k8s.operator.schema import DATA_ROLES, SIDECAR_STAGING_DEFAULT
+from mooncake_k8s.operator.schema import DATA_ROLES
+from mooncake_k8s.operator.schema_model import SIDECAR_STAGING_DEFAULT
 
 Obj = dict[str, Any]
 SHM_MARGIN = 256 << 20

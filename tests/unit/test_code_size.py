@@ -24,13 +24,12 @@ GENERATED = REPO / "services" / "common" / "rpc"
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 60
 
-LONG_MODULES: dict[str, str] = {
-    "operator/schema.py": "the CRD schema: one literal description per field",
-}
+LONG_MODULES: dict[str, str] = {}
 """Modules allowed over MAX_MODULE_LINES, with the reason."""
 LONG_FUNCTIONS: dict[str, set[str]] = {
     "operator/pods_env.py": {"role_env"},
-    "operator/schema.py": {"_model", "_engine", "cluster_spec_schema"},
+    "operator/schema.py": {"cluster_spec_schema"},
+    "operator/schema_model.py": {"engine_schema", "model_schema"},
     "operator/status.py": {"aggregate"},
     "services/cli/serving.py": {"_worker"},
     "services/conductor/http/api.py": {"_stream"},

@@ -248,9 +248,9 @@ def test_dockerfile_is_multistage_non_root_and_runs_the_cli(repo: Path) -> None:
     assert {".git", ".venv", "tests"} <= ignored
 
 
-PURE = ("schema", "schema_cel", "naming", "pods", "pods_context", "pods_env", "pods_sizing",
-        "pods_volumes", "render", "validation", "metrics", "status", "autoscaler", "crds",
-        "rdma_probe")
+PURE = ("schema", "schema_cel", "schema_model", "naming", "pods", "pods_context", "pods_env",
+        "pods_sizing", "pods_volumes", "render", "validation", "metrics", "status", "autoscaler",
+        "crds", "rdma_probe")
 
 
 @pytest.mark.parametrize("module", PURE)

@@ -15,7 +15,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from mooncake_k8s.operator import crds, schema
+from mooncake_k8s.operator import crds, schema, schema_model
 from mooncake_k8s.operator.validation import (
     InvalidResource,
     _program,
@@ -291,11 +291,11 @@ def _owned_flags(repo: Path, module: str) -> tuple[str, ...]:
 
 def test_owned_flags_match_the_workers(repo: Path) -> None:
     """The CRD rejects exactly what the worker would exit on."""
-    assert _owned_flags(repo, "vllm") == schema.VLLM_OWNED_FLAGS
-    assert _owned_flags(repo, "sglang") == schema.SGLANG_OWNED_FLAGS
+    assert _owned_flags(repo, "vllm") == schema_model.VLLM_OWNED_FLAGS
+    assert _owned_flags(repo, "sglang") == schema_model.SGLANG_OWNED_FLAGS
 
 
-@pytest.mark.parametrize("flag", schema.SGLANG_OWNED_FLAGS)
+@pytest.mark.parametrize("flag", schema_model.SGLANG_OWNED_FLAGS)
 def test_sglang_rejects_every_flag_its_worker_owns(make_cluster: Callable[..., Obj],
                                                    flag: str) -> None:
     model = {"pvc": {"claimName": "weights"}}
@@ -319,7 +319,7 @@ def test_sglang_engine_rule_has_a_static_fallback_message() -> None:
     rules = schema.cluster_spec_schema()["properties"]["engine"]["x-kubernetes-validations"]
     (r,) = [r for r in rules if "'sglang'" in r["rule"]]
     assert r["fieldPath"] == ".args" and r["message"].startswith("engine.args: ")
-    assert all(f in r["message"] for f in schema.SGLANG_OWNED_FLAGS)
+    assert all(f in r["message"] for f in schema_model.SGLANG_OWNED_FLAGS)
     assert "messageExpression" in r
 
 
