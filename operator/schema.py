@@ -268,7 +268,9 @@ def _autoscaling() -> Schema:
                 "Queued prompt tokens per prefill pod the autoscaler aims for.", default=8192,
                 minimum=1),
             "targetQueueTokensPerDecode": integer(
-                "Queued tokens per decode pod (running batch plus waiting) it aims for.",
+                "Decode load per decode pod it aims for, in tokens: the KV tokens the decode "
+                "instances hold plus the context tokens of sequences waiting there for a batch "
+                "slot (mooncake_conductor_decode_load_tokens).",
                 default=16384, minimum=1),
             "maxRejectionRate": number(
                 "Fraction of requests rejected (429) above which both roles scale up.",
