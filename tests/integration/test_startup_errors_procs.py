@@ -110,6 +110,48 @@ def test_an_address_of_another_machine_is_named_with_host(args: list[str]) -> No
     _one_line(r, f"--host {UNASSIGNED}:", "cannot bind")
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_master_binds_a_host_name() -> None:
+    """`--host localhost` (a name, not an address) serves: the gRPC port accepts, and the fast
+    path answers its hello with the token; it used to die in the fast path's start with a
+    traceback (`ipaddress` refused the name)."""
+    from mooncake_k8s.store.wire import MAGIC, VERSION
+
+    port, fast = _free_port(), _free_port()
+    master = subprocess.Popen(
+        [sys.executable, "-m", "mooncake_k8s.cli", "store", "master", "--host", "localhost",
+         "--port", str(port), "--fast-port", str(fast), "--metrics-port", "-1"],
+        env={**os.environ, "MOONCAKE_CLUSTER_TOKEN": TOKEN}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_listening(fast, master)
+        with socket.create_connection(("localhost", fast), timeout=10) as s:
+            s.sendall(MAGIC + bytes([VERSION]) + len(TOKEN).to_bytes(2, "little")
+                      + TOKEN.encode())
+            assert s.recv(1) == b"\x00"  # ok: our master's fast path, token accepted
+        with socket.create_connection(("localhost", port), timeout=10):
+            pass
+        assert master.poll() is None
+    finally:
+        master.terminate()
+        _, err = master.communicate(timeout=30)
+    assert "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("args", [
+    ["store", "master", "--port", "0", "--metrics-port", "-1"],
+    ["store", "node", "--port", "0", "--metrics-port", "-1"],
+], ids=lambda a: " ".join(a[:2]))
+def test_a_host_name_that_does_not_resolve_is_named_with_host(args: list[str]) -> None:
+    host = "no-such-host.invalid"  # RFC 6761: never resolves
+    _one_line(_mooncake(*args, "--host", host), f"--host {host}:", "cannot resolve")
+
+
 def test_the_conductors_metrics_host_is_named_for_its_port() -> None:
     r = _mooncake("conductor", "--port", "0", "--metrics-port", "0", "--metrics-host",
                   UNASSIGNED, "--prefill", "127.0.0.1:1", "--decode", "127.0.0.1:2")

@@ -74,25 +74,53 @@ class FastPathServer:
     def __init__(self, handlers: Any, token: str) -> None:
         self.handlers = handlers
         self.token = token
-        self._server: asyncio.Server | None = None
+        self._servers: list[asyncio.Server] = []
         self.pending: OrderedDict[int, _Conn] = OrderedDict()
         self.connections = 0
         self.rejected = 0
 
     async def start(self, host: str, port: int) -> int:
-        # An unspecified address (any spelling) means every interface of both families,
-        # as gRPC binds it; asyncio would make an IPv6 one IPv6-only.
-        any_host = host in ("", "0") or ipaddress.ip_address(host).is_unspecified
+        """Listen on `host`:`port` and return the port. A host name binds every address it
+        resolves to, all on one port (the first bind picks it when `port` is 0): clients learn
+        only the port, and reach it on whichever of those addresses their resolver gives."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: _Conn(self), None if any_host else host, port, reuse_address=True)
-        return int(self._server.sockets[0].getsockname()[1])
+        try:
+            for addr in await _bind_addresses(host):
+                server = await loop.create_server(lambda: _Conn(self), addr, port,
+                                                  reuse_address=True)
+                self._servers.append(server)
+                port = int(server.sockets[0].getsockname()[1])
+        except OSError:
+            await self.stop()
+            raise
+        return port
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        servers, self._servers = self._servers, []
+        for server in servers:
+            server.close()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 2)
+                await asyncio.wait_for(server.wait_closed(), 2)
+
+
+async def _bind_addresses(host: str) -> list[str | None]:
+    """What `create_server` binds for `host`. An unspecified address (any spelling, or a name
+    that resolves to one) is None: every interface of both families, as gRPC binds it, where
+    asyncio would make an IPv6 one IPv6-only. A name resolves here (as gRPC resolves it) so
+    each of its addresses gets the same port; one that does not resolve raises OSError."""
+    if host in ("", "0"):
+        return [None]
+    try:
+        literal = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        infos = await asyncio.get_running_loop().getaddrinfo(
+            host, None, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        addrs: list[str] = list(dict.fromkeys(str(info[4][0]) for info in infos))
+    else:
+        addrs = [str(literal)]
+    if any(ipaddress.ip_address(a.partition("%")[0]).is_unspecified for a in addrs):
+        return [None]
+    return list(addrs)
 
 
 class _Conn(asyncio.Protocol):
