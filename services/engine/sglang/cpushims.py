@@ -20,6 +20,9 @@ the private SGLang symbol it touches, so an SGLang upgrade that moves it fails l
    whose KV is still being sent or backed up) loops with `time.sleep(0)`: on a GPU box a spare
    core; on a small CPU box it takes a core from the process computing that very KV. It naps
    `MOONCAKE_SGLANG_WAIT_POLL_MS` (default 1; 0 keeps SGLang's spin) per pass instead.
+6. The torch-native backend's extend attention computes a prefix hit's whole sequence from
+   uninitialised queries (a hit paid a cold prompt's attention, and at random far more: issue
+   20's 53 s hit); `cpuattn.extend` attends from the new tokens only.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import time
 from typing import Any
 
 import torch
+
+from mooncake_k8s.engine.sglang import cpuattn
 
 HOST_REGISTER = "sglang.srt.mem_cache.pool_host.common._cuda_host_register"
 HOST_RESERVE = "sglang.srt.mem_cache.pool_host.base.HICACHE_HOST_MEMORY_RESERVE_BYTES"
@@ -70,6 +75,7 @@ def apply() -> None:
 
     mib = int(os.environ.get("MOONCAKE_SGLANG_HOST_RESERVE_MIB", DEFAULT_HOST_RESERVE_MIB))
     pool_base.HICACHE_HOST_MEMORY_RESERVE_BYTES = mib << 20
+    HookRegistry.register(cpuattn.TARGET, cpuattn.extend, HookType.AROUND)
     nap = float(os.environ.get("MOONCAKE_SGLANG_WAIT_POLL_MS", "1")) / 1000
     if nap > 0:
         HookRegistry.register(ON_IDLE, _napping(nap), HookType.AROUND)
@@ -90,7 +96,7 @@ def check() -> list[str]:
     import pkgutil
 
     missing = []
-    for dotted in (HOST_REGISTER, HOST_RESERVE, ON_IDLE,
+    for dotted in (HOST_REGISTER, HOST_RESERVE, ON_IDLE, cpuattn.TARGET,
                    "sglang.srt.managers.scheduler.Scheduler.is_fully_idle",
                    "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender",
                    "sglang.srt.mem_cache.pool_host.mha.MHATokenToKVPoolHost"):

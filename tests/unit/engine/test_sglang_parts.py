@@ -142,3 +142,47 @@ def test_cpu_shims_find_what_they_replace_and_relax_the_host_reserve() -> None:
         timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-1] == str(300 << 20)
+
+
+ATTN = """
+import torch
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend as B
+from mooncake_k8s.engine.sglang import cpuattn, cpushims
+native = B._run_sdpa_forward_extend
+kept = [native]  # in a list: SGLang re-points module-level names when it patches
+torch.manual_seed(0)
+heads, kv_heads, dim = 9, 3, 64
+prefix, new = torch.tensor([0, 70, 128]), torch.tensor([40, 5, 1])
+total = prefix + new
+slots = torch.randperm(512)[:int(total.sum())]
+req_to_token = torch.zeros(3, 256, dtype=torch.int64)
+at = 0
+for i, n in enumerate(total.tolist()):
+    req_to_token[i, :n] = slots[at:at + n]
+    at += n
+k_cache, v_cache = torch.randn(512, kv_heads, dim), torch.randn(512, kv_heads, dim)
+q = torch.randn(int(new.sum()), heads, dim)
+args = (q, k_cache, v_cache, req_to_token, torch.arange(3), total, prefix, new)
+want = native(None, q, torch.empty_like(q), *args[1:], scaling=0.125, enable_gqa=True,
+              causal=True)
+got = cpuattn.extend(native, None, q, torch.empty_like(q), *args[1:], scaling=0.125,
+                     enable_gqa=True, causal=True)
+assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+cpushims.apply()
+from sglang.srt.plugins.hook_registry import HookRegistry
+HookRegistry.apply_hooks()
+assert B._run_sdpa_forward_extend.__wrapped__ is kept[0], "the extend attention is not ours"
+print("same")
+"""
+
+
+@pytest.mark.skipif(not HAVE_SGLANG, reason="SGLang is not installed")
+def test_cpu_extend_attention_equals_sglangs_from_the_new_tokens_alone() -> None:
+    """Our extend attention (a prefix hit attends from its new tokens only, issue 20) gives
+    SGLang's output for requests with and without a cached prefix, GQA heads included, and the
+    shims install it."""
+    out = subprocess.run([sys.executable, "-c", ATTN], env={
+        **os.environ, "PYTHONPATH": str(CPU_PATH), "SGLANG_USE_CPU_ENGINE": "1"},
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "same"
