@@ -1,7 +1,7 @@
 """A child process this project started: its command line, log file and metrics port.
 
-Shared by `mooncake up`'s supervisor and the test harnesses (`store.testing`), so neither
-imports the other.
+Shared by `mooncake up`'s supervisor and the store's loopback launcher (`store.cluster`, which
+the test harness `store.testing` extends), so neither imports the other.
 """
 
 from __future__ import annotations
