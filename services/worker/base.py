@@ -115,13 +115,6 @@ class Worker(Generic[E]):
     def handlers(self) -> grpc.GenericRpcHandler:  # type: ignore[type-arg]
         raise NotImplementedError
 
-    @staticmethod
-    def load_handler(report: Callable[[], pb.LoadReport]) -> Any:
-        """The `Load` RPC both roles serve: the Conductor polls it to route."""
-        return grpc.unary_unary_rpc_method_handler(
-            lambda _r, _c: report(), request_deserializer=pb.LoadRequest.FromString,
-            response_serializer=pb.LoadReport.SerializeToString)
-
     def open_engine(self, kind: type[EngineKind], ctx: EngineContext) -> E:
         """The role's engine of `kind` (`PrefillWorker`, `DecodeWorker`)."""
         raise NotImplementedError
