@@ -20,7 +20,7 @@ import dataclasses
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal, Protocol, Self, TypeVar
 
 from mooncake_k8s.common.blocks import KeyNamespace, block_keys
@@ -123,6 +123,10 @@ class KVPlan:
     bootstrap_addr: str = ""
     bootstrap_room: int = 0
     """Paired handoff (SGLang): where and under which room decode meets this prefill."""
+    home_segment: str = ""
+    """Prefill: new blocks get a copy here too (its own host's segment; "" = none)."""
+    keep_fetched: bool = False
+    """Blocks read from another host are kept on the reader's host (hot-block replication)."""
 
     @property
     def reuse_blocks(self) -> int:
@@ -159,14 +163,16 @@ def resolve_plan(msg: pb.KVPlan, info: EngineInfo, token_ids: Sequence[int], ten
     ok = bool(msg.planned) and msg.namespace == ns.digest().hex() and (
         len(msg.block_keys) == len(token_ids) // info.block_tokens)
     addr, room = msg.bootstrap_addr, msg.bootstrap_room
+    home, keep = msg.home_segment, msg.keep_fetched
     if ok:
         plan = KVPlan(tuple(msg.block_keys), msg.local_blocks, msg.fetch_blocks,
-                      msg.write_segment, True, addr, room)
+                      msg.write_segment, True, addr, room, home, keep)
     else:
         plan = KVPlan(tuple(block_keys(ns, token_ids)), write_segment=msg.write_segment,
-                      planned=False, bootstrap_addr=addr, bootstrap_room=room)
+                      planned=False, bootstrap_addr=addr, bootstrap_room=room,
+                      home_segment=home, keep_fetched=keep)
     if not use_cache:
-        plan = KVPlan(plan.keys, 0, 0, plan.write_segment, True, addr, room)
+        plan = replace(plan, local_blocks=0, fetch_blocks=0, planned=True)
     return plan, ok
 
 

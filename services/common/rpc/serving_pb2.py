@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%mooncake_k8s/common/rpc/serving.proto\x12\x13mooncake.serving.v1\"\x84\x01\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\"\xb3\x01\n\x06KVPlan\x12\x12\n\nblock_keys\x18\x01 \x03(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x14\n\x0clocal_blocks\x18\x03 \x01(\r\x12\x14\n\x0c\x66\x65tch_blocks\x18\x04 \x01(\r\x12\x15\n\rwrite_segment\x18\x05 \x01(\t\x12\x0f\n\x07planned\x18\x06 \x01(\x08\x12\x16\n\x0e\x62ootstrap_addr\x18\x07 \x01(\t\x12\x16\n\x0e\x62ootstrap_room\x18\x08 \x01(\x04\"\xc6\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.mooncake.serving.v1.Sampling\x12\x18\n\x10use_prefix_cache\x18\x06 \x01(\x08\x12L\n\rtrace_context\x18\x07 \x03(\x0b\x32\x35.mooncake.serving.v1.PrefillRequest.TraceContextEntry\x12)\n\x04plan\x18\x08 \x01(\x0b\x32\x1b.mooncake.serving.v1.KVPlan\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x05\x10\x06\"\xaf\x02\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x07 \x01(\r\x12\x10\n\x08tail_key\x18\x08 \x01(\t\x12\x15\n\rstored_blocks\x18\t \x01(\r\x12\x17\n\x0frejected_blocks\x18\n \x01(\r\x12\x10\n\x08queue_ms\x18\x0b \x01(\x01\x12\x0f\n\x07load_ms\x18\x0c \x01(\x01\x12\x12\n\ncompute_ms\x18\r \x01(\x01\x12\x10\n\x08store_ms\x18\x0e \x01(\x01\"\x88\x03\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\r\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.mooncake.serving.v1.Sampling\x12\x10\n\x08tail_key\x18\x06 \x01(\t\x12K\n\rtrace_context\x18\x07 \x03(\x0b\x32\x34.mooncake.serving.v1.DecodeRequest.TraceContextEntry\x12)\n\x04plan\x18\x0c \x01(\x0b\x32\x1b.mooncake.serving.v1.KVPlan\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x08\x10\x0cR\nblock_keysR\tnamespaceR\x0e\x62ootstrap_addrR\x0e\x62ootstrap_room\"V\n\x0b\x44\x65\x63odeChunk\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\"\r\n\x0bLoadRequest\"\xbd\x03\n\nLoadReport\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x14\n\x0c\x62lock_tokens\x18\x07 \x01(\r\x12\x13\n\x0bmax_context\x18\x08 \x01(\r\x12\r\n\x05ready\x18\t \x01(\x08\x12\x10\n\x08\x64raining\x18\n \x01(\x08\x12\x17\n\x0fqueued_requests\x18\x0b \x01(\r\x12\x15\n\rqueued_tokens\x18\x0c \x01(\x04\x12\x0f\n\x07running\x18\r \x01(\r\x12\x16\n\x0ekv_free_tokens\x18\x0e \x01(\x04\x12\x1a\n\x12kv_capacity_tokens\x18\x0f \x01(\x04\x12\x15\n\rlocal_segment\x18\x10 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x11 \x01(\t\x12\x11\n\tkv_layout\x18\x12 \x01(\t\x12\x0f\n\x07waiting\x18\x13 \x01(\r\x12\x16\n\x0e\x62ootstrap_addr\x18\x14 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x15 \x01(\t2\xaa\x01\n\x07Prefill\x12T\n\x07Prefill\x12#.mooncake.serving.v1.PrefillRequest\x1a$.mooncake.serving.v1.PrefillResponse\x12I\n\x04Load\x12 .mooncake.serving.v1.LoadRequest\x1a\x1f.mooncake.serving.v1.LoadReport2\xa5\x01\n\x06\x44\x65\x63ode\x12P\n\x06\x44\x65\x63ode\x12\".mooncake.serving.v1.DecodeRequest\x1a .mooncake.serving.v1.DecodeChunk0\x01\x12I\n\x04Load\x12 .mooncake.serving.v1.LoadRequest\x1a\x1f.mooncake.serving.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%mooncake_k8s/common/rpc/serving.proto\x12\x13mooncake.serving.v1\"\x84\x01\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x0c\n\x04stop\x18\x04 \x03(\t\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\x0c\n\x04seed\x18\x06 \x01(\x03\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\"\xdf\x01\n\x06KVPlan\x12\x12\n\nblock_keys\x18\x01 \x03(\t\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x14\n\x0clocal_blocks\x18\x03 \x01(\r\x12\x14\n\x0c\x66\x65tch_blocks\x18\x04 \x01(\r\x12\x15\n\rwrite_segment\x18\x05 \x01(\t\x12\x0f\n\x07planned\x18\x06 \x01(\x08\x12\x16\n\x0e\x62ootstrap_addr\x18\x07 \x01(\t\x12\x16\n\x0e\x62ootstrap_room\x18\x08 \x01(\x04\x12\x14\n\x0chome_segment\x18\t \x01(\t\x12\x14\n\x0ckeep_fetched\x18\n \x01(\x08\"\xc6\x02\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.mooncake.serving.v1.Sampling\x12\x18\n\x10use_prefix_cache\x18\x06 \x01(\x08\x12L\n\rtrace_context\x18\x07 \x03(\x0b\x32\x35.mooncake.serving.v1.PrefillRequest.TraceContextEntry\x12)\n\x04plan\x18\x08 \x01(\x0b\x32\x1b.mooncake.serving.v1.KVPlan\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x05\x10\x06\"\xaf\x02\n\x0fPrefillResponse\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x15\n\rprompt_tokens\x18\x05 \x01(\r\x12\x15\n\rcached_tokens\x18\x06 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x07 \x01(\r\x12\x10\n\x08tail_key\x18\x08 \x01(\t\x12\x15\n\rstored_blocks\x18\t \x01(\r\x12\x17\n\x0frejected_blocks\x18\n \x01(\r\x12\x10\n\x08queue_ms\x18\x0b \x01(\x01\x12\x0f\n\x07load_ms\x18\x0c \x01(\x01\x12\x12\n\ncompute_ms\x18\r \x01(\x01\x12\x10\n\x08store_ms\x18\x0e \x01(\x01\"\x88\x03\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x04 \x01(\r\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.mooncake.serving.v1.Sampling\x12\x10\n\x08tail_key\x18\x06 \x01(\t\x12K\n\rtrace_context\x18\x07 \x03(\x0b\x32\x34.mooncake.serving.v1.DecodeRequest.TraceContextEntry\x12)\n\x04plan\x18\x0c \x01(\x0b\x32\x1b.mooncake.serving.v1.KVPlan\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01J\x04\x08\x08\x10\x0cR\nblock_keysR\tnamespaceR\x0e\x62ootstrap_addrR\x0e\x62ootstrap_room\"V\n\x0b\x44\x65\x63odeChunk\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\"\r\n\x0bLoadRequest\"\xce\x03\n\nLoadReport\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x10\n\x08revision\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x19\n\x11model_fingerprint\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x14\n\x0c\x62lock_tokens\x18\x07 \x01(\r\x12\x13\n\x0bmax_context\x18\x08 \x01(\r\x12\r\n\x05ready\x18\t \x01(\x08\x12\x10\n\x08\x64raining\x18\n \x01(\x08\x12\x17\n\x0fqueued_requests\x18\x0b \x01(\r\x12\x15\n\rqueued_tokens\x18\x0c \x01(\x04\x12\x0f\n\x07running\x18\r \x01(\r\x12\x16\n\x0ekv_free_tokens\x18\x0e \x01(\x04\x12\x1a\n\x12kv_capacity_tokens\x18\x0f \x01(\x04\x12\x15\n\rlocal_segment\x18\x10 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x11 \x01(\t\x12\x11\n\tkv_layout\x18\x12 \x01(\t\x12\x0f\n\x07waiting\x18\x13 \x01(\r\x12\x16\n\x0e\x62ootstrap_addr\x18\x14 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x15 \x01(\t\x12\x0f\n\x07host_id\x18\x16 \x01(\t2\xaa\x01\n\x07Prefill\x12T\n\x07Prefill\x12#.mooncake.serving.v1.PrefillRequest\x1a$.mooncake.serving.v1.PrefillResponse\x12I\n\x04Load\x12 .mooncake.serving.v1.LoadRequest\x1a\x1f.mooncake.serving.v1.LoadReport2\xa5\x01\n\x06\x44\x65\x63ode\x12P\n\x06\x44\x65\x63ode\x12\".mooncake.serving.v1.DecodeRequest\x1a .mooncake.serving.v1.DecodeChunk0\x01\x12I\n\x04Load\x12 .mooncake.serving.v1.LoadRequest\x1a\x1f.mooncake.serving.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,25 +38,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLING']._serialized_start=63
   _globals['_SAMPLING']._serialized_end=195
   _globals['_KVPLAN']._serialized_start=198
-  _globals['_KVPLAN']._serialized_end=377
-  _globals['_PREFILLREQUEST']._serialized_start=380
-  _globals['_PREFILLREQUEST']._serialized_end=706
-  _globals['_PREFILLREQUEST_TRACECONTEXTENTRY']._serialized_start=649
-  _globals['_PREFILLREQUEST_TRACECONTEXTENTRY']._serialized_end=700
-  _globals['_PREFILLRESPONSE']._serialized_start=709
-  _globals['_PREFILLRESPONSE']._serialized_end=1012
-  _globals['_DECODEREQUEST']._serialized_start=1015
-  _globals['_DECODEREQUEST']._serialized_end=1407
-  _globals['_DECODEREQUEST_TRACECONTEXTENTRY']._serialized_start=649
-  _globals['_DECODEREQUEST_TRACECONTEXTENTRY']._serialized_end=700
-  _globals['_DECODECHUNK']._serialized_start=1409
-  _globals['_DECODECHUNK']._serialized_end=1495
-  _globals['_LOADREQUEST']._serialized_start=1497
-  _globals['_LOADREQUEST']._serialized_end=1510
-  _globals['_LOADREPORT']._serialized_start=1513
-  _globals['_LOADREPORT']._serialized_end=1958
-  _globals['_PREFILL']._serialized_start=1961
-  _globals['_PREFILL']._serialized_end=2131
-  _globals['_DECODE']._serialized_start=2134
-  _globals['_DECODE']._serialized_end=2299
+  _globals['_KVPLAN']._serialized_end=421
+  _globals['_PREFILLREQUEST']._serialized_start=424
+  _globals['_PREFILLREQUEST']._serialized_end=750
+  _globals['_PREFILLREQUEST_TRACECONTEXTENTRY']._serialized_start=693
+  _globals['_PREFILLREQUEST_TRACECONTEXTENTRY']._serialized_end=744
+  _globals['_PREFILLRESPONSE']._serialized_start=753
+  _globals['_PREFILLRESPONSE']._serialized_end=1056
+  _globals['_DECODEREQUEST']._serialized_start=1059
+  _globals['_DECODEREQUEST']._serialized_end=1451
+  _globals['_DECODEREQUEST_TRACECONTEXTENTRY']._serialized_start=693
+  _globals['_DECODEREQUEST_TRACECONTEXTENTRY']._serialized_end=744
+  _globals['_DECODECHUNK']._serialized_start=1453
+  _globals['_DECODECHUNK']._serialized_end=1539
+  _globals['_LOADREQUEST']._serialized_start=1541
+  _globals['_LOADREQUEST']._serialized_end=1554
+  _globals['_LOADREPORT']._serialized_start=1557
+  _globals['_LOADREPORT']._serialized_end=2019
+  _globals['_PREFILL']._serialized_start=2022
+  _globals['_PREFILL']._serialized_end=2192
+  _globals['_DECODE']._serialized_start=2195
+  _globals['_DECODE']._serialized_end=2360
 # @@protoc_insertion_point(module_scope)

@@ -25,7 +25,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class KVPlan(_message.Message):
-    __slots__ = ("block_keys", "namespace", "local_blocks", "fetch_blocks", "write_segment", "planned", "bootstrap_addr", "bootstrap_room")
+    __slots__ = ("block_keys", "namespace", "local_blocks", "fetch_blocks", "write_segment", "planned", "bootstrap_addr", "bootstrap_room", "home_segment", "keep_fetched")
     BLOCK_KEYS_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LOCAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,8 @@ class KVPlan(_message.Message):
     PLANNED_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_ADDR_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_ROOM_FIELD_NUMBER: _ClassVar[int]
+    HOME_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FETCHED_FIELD_NUMBER: _ClassVar[int]
     block_keys: _containers.RepeatedScalarFieldContainer[str]
     namespace: str
     local_blocks: int
@@ -42,7 +44,9 @@ class KVPlan(_message.Message):
     planned: bool
     bootstrap_addr: str
     bootstrap_room: int
-    def __init__(self, block_keys: _Optional[_Iterable[str]] = ..., namespace: _Optional[str] = ..., local_blocks: _Optional[int] = ..., fetch_blocks: _Optional[int] = ..., write_segment: _Optional[str] = ..., planned: _Optional[bool] = ..., bootstrap_addr: _Optional[str] = ..., bootstrap_room: _Optional[int] = ...) -> None: ...
+    home_segment: str
+    keep_fetched: bool
+    def __init__(self, block_keys: _Optional[_Iterable[str]] = ..., namespace: _Optional[str] = ..., local_blocks: _Optional[int] = ..., fetch_blocks: _Optional[int] = ..., write_segment: _Optional[str] = ..., planned: _Optional[bool] = ..., bootstrap_addr: _Optional[str] = ..., bootstrap_room: _Optional[int] = ..., home_segment: _Optional[str] = ..., keep_fetched: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "tenant", "sampling", "use_prefix_cache", "trace_context", "plan")
@@ -145,7 +149,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("instance_id", "role", "revision", "model", "model_fingerprint", "dtype", "block_tokens", "max_context", "ready", "draining", "queued_requests", "queued_tokens", "running", "kv_free_tokens", "kv_capacity_tokens", "local_segment", "engine", "kv_layout", "waiting", "bootstrap_addr", "tokenizer_fingerprint")
+    __slots__ = ("instance_id", "role", "revision", "model", "model_fingerprint", "dtype", "block_tokens", "max_context", "ready", "draining", "queued_requests", "queued_tokens", "running", "kv_free_tokens", "kv_capacity_tokens", "local_segment", "engine", "kv_layout", "waiting", "bootstrap_addr", "tokenizer_fingerprint", "host_id")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +171,7 @@ class LoadReport(_message.Message):
     WAITING_FIELD_NUMBER: _ClassVar[int]
     BOOTSTRAP_ADDR_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: str
     revision: str
@@ -188,4 +193,5 @@ class LoadReport(_message.Message):
     waiting: int
     bootstrap_addr: str
     tokenizer_fingerprint: str
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., revision: _Optional[str] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., running: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., local_segment: _Optional[str] = ..., engine: _Optional[str] = ..., kv_layout: _Optional[str] = ..., waiting: _Optional[int] = ..., bootstrap_addr: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+    host_id: str
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., revision: _Optional[str] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., running: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., local_segment: _Optional[str] = ..., engine: _Optional[str] = ..., kv_layout: _Optional[str] = ..., waiting: _Optional[int] = ..., bootstrap_addr: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
