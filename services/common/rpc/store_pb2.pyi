@@ -207,20 +207,22 @@ class CommandDoneResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PutStartRequest(_message.Message):
-    __slots__ = ("key", "size", "replicas", "placement", "preferred_segment", "client_host_id")
+    __slots__ = ("key", "size", "replicas", "placement", "preferred_segment", "client_host_id", "segments")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     PREFERRED_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     CLIENT_HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     key: str
     size: int
     replicas: int
     placement: Placement
     preferred_segment: str
     client_host_id: str
-    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., replicas: _Optional[int] = ..., placement: _Optional[_Union[Placement, str]] = ..., preferred_segment: _Optional[str] = ..., client_host_id: _Optional[str] = ...) -> None: ...
+    segments: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., replicas: _Optional[int] = ..., placement: _Optional[_Union[Placement, str]] = ..., preferred_segment: _Optional[str] = ..., client_host_id: _Optional[str] = ..., segments: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PutStartResponse(_message.Message):
     __slots__ = ("put_id", "replicas", "exists", "in_progress")
@@ -297,20 +299,22 @@ class BatchPutEndResponse(_message.Message):
     def __init__(self, errors: _Optional[_Iterable[str]] = ..., codes: _Optional[_Iterable[_Union[ErrorCode, str]]] = ...) -> None: ...
 
 class SpaceLeaseRequest(_message.Message):
-    __slots__ = ("size", "min_size", "replicas", "placement", "preferred_segment", "client_host_id")
+    __slots__ = ("size", "min_size", "replicas", "placement", "preferred_segment", "client_host_id", "segments")
     SIZE_FIELD_NUMBER: _ClassVar[int]
     MIN_SIZE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     PREFERRED_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     CLIENT_HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     size: int
     min_size: int
     replicas: int
     placement: Placement
     preferred_segment: str
     client_host_id: str
-    def __init__(self, size: _Optional[int] = ..., min_size: _Optional[int] = ..., replicas: _Optional[int] = ..., placement: _Optional[_Union[Placement, str]] = ..., preferred_segment: _Optional[str] = ..., client_host_id: _Optional[str] = ...) -> None: ...
+    segments: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, size: _Optional[int] = ..., min_size: _Optional[int] = ..., replicas: _Optional[int] = ..., placement: _Optional[_Union[Placement, str]] = ..., preferred_segment: _Optional[str] = ..., client_host_id: _Optional[str] = ..., segments: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SpaceLeaseResponse(_message.Message):
     __slots__ = ("lease_id", "size", "replicas", "ttl_ms", "align")
@@ -497,20 +501,22 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SegmentStats(_message.Message):
-    __slots__ = ("name", "node_id", "tier", "size", "used", "objects")
+    __slots__ = ("name", "node_id", "tier", "size", "used", "objects", "host_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     USED_FIELD_NUMBER: _ClassVar[int]
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     node_id: str
     tier: Tier
     size: int
     used: int
     objects: int
-    def __init__(self, name: _Optional[str] = ..., node_id: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., size: _Optional[int] = ..., used: _Optional[int] = ..., objects: _Optional[int] = ...) -> None: ...
+    host_id: str
+    def __init__(self, name: _Optional[str] = ..., node_id: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., size: _Optional[int] = ..., used: _Optional[int] = ..., objects: _Optional[int] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("master_id", "objects", "pending_puts", "nodes", "segments", "evictions", "spills", "promotions", "meta_bytes_estimate", "recovering")
