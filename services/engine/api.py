@@ -219,6 +219,9 @@ class DecodeWork:
     bootstrap_room: int = 0
     """Paired handoff (SGLang): the KV arrives from this prefill, and `first_token` is 0
     (unknown yet); the engine yields the tokens after the first, as in the pool handoff."""
+    keep_on: str = ""
+    """A segment on this host: blocks read from another host are kept there (the plan's
+    `keep_fetched`, hot-block replication); "" = keep nothing."""
 
 
 @dataclass(frozen=True)
