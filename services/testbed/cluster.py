@@ -41,6 +41,8 @@ class BedConfig:
     loss: str | None = None
     store_size: int = 256 << 20
     decode_segment_size: int = 128 << 20
+    prefill_segment_size: int | None = None
+    """Pool memory each prefill host serves (`--local-segment-size`); None = the default."""
     store_replicas: int = 2
     threads: int = 1
     ready_timeout_s: float = 300.0
@@ -120,6 +122,8 @@ class BedCluster:
                 args += ["--local-segment-size", str(c.decode_segment_size)]
             else:
                 args += ["--store-replicas", str(c.store_replicas)]
+                if c.prefill_segment_size is not None:
+                    args += ["--local-segment-size", str(c.prefill_segment_size)]
             self._spawn(name, args)
 
         def addrs(role: str) -> str:
