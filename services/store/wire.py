@@ -106,6 +106,19 @@ class ObjectInfo:
     replicas: tuple[Location, ...]
 
 
+@dataclass(frozen=True)
+class SegmentInfo:
+    """A segment as `StoreClient.segments` lists it: `host_id` is its node's host (segments
+    of one host are local to each other), `tier` "dram" or "ssd", `size` and `used` bytes."""
+
+    name: str
+    node_id: str
+    host_id: str
+    tier: str
+    size: int
+    used: int
+
+
 def location(r: pb.Replica) -> Location:
     return Location(
         Peer(r.node_id, r.address, r.host_id),

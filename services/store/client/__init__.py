@@ -2,5 +2,6 @@
 to whichever master leads, and the page pools the engines' cache plug-ins use."""
 
 from mooncake_k8s.store.client.client import StoreClient
+from mooncake_k8s.store.wire import SegmentInfo
 
-__all__ = ["StoreClient"]
+__all__ = ["SegmentInfo", "StoreClient"]

@@ -40,12 +40,12 @@ class ClassicWriter:
 
     def put(
         self, keys: Sequence[str], views: Sequence[memoryview], replicas: int, placement: int,
-        preferred_segment: str,
+        preferred_segment: str, segments: Sequence[str] = (),
     ) -> Results:
         """A result per key: None when it is stored, else the exception for it. (The caller
         validated the shape and sizes.)"""
         try:
-            starts = self._start(keys, views, replicas, placement, preferred_segment)
+            starts = self._start(keys, views, replicas, placement, preferred_segment, segments)
         except StoreError as e:
             return [e] * len(keys)
         results: Results = [None] * len(keys)
@@ -60,13 +60,14 @@ class ClassicWriter:
 
     def _start(
         self, keys: Sequence[str], views: Sequence[memoryview], replicas: int, placement: int,
-        preferred_segment: str,
+        preferred_segment: str, segments: Sequence[str],
     ) -> list[pb.PutStartResult]:
         """PutStart for every key (one call, batched when there are several)."""
         reqs = [
             pb.PutStartRequest(
                 key=k, size=len(v), replicas=replicas, placement=placement,  # type: ignore[arg-type]
                 preferred_segment=preferred_segment, client_host_id=self._host_id,
+                segments=segments,
             )
             for k, v in zip(keys, views, strict=True)
         ]

@@ -54,7 +54,14 @@ from mooncake_k8s.store.client.errors import retryable, rpc_error
 from mooncake_k8s.store.client.failover import PeerHealth
 from mooncake_k8s.store.client.masterlink import MasterLink, trailers_of
 from mooncake_k8s.store.client.spacewriter import LEASE_BYTES, RETRY, SpaceWriter
-from mooncake_k8s.store.wire import LEADER_KEY, STANDBY_KEY, ObjectInfo, located, location
+from mooncake_k8s.store.wire import (
+    LEADER_KEY,
+    STANDBY_KEY,
+    ObjectInfo,
+    SegmentInfo,
+    located,
+    location,
+)
 from mooncake_k8s.transfer import Peer, ReadOp, Tier, TransferEngine, WriteOp
 from mooncake_k8s.transfer.engine import TRANSPORTS
 
@@ -171,12 +178,14 @@ class StoreClient:
         replicas: int | None = None,
         placement: str = "local_first",
         preferred_segment: str | None = None,
+        segments: Sequence[str] = (),
     ) -> None:
         """Store `data` under `key`; raises ObjectExists if the key is already stored.
-        `replicas` defaults to the client's (`replicas` at construction)."""
+        `replicas` defaults to the client's (`replicas` at construction); `segments` as for
+        `batch_put`."""
         err = self.batch_put(
             [key], [data], replicas=replicas, placement=placement,
-            preferred_segment=preferred_segment,
+            preferred_segment=preferred_segment, segments=segments,
         )[0]
         if err is not None:
             raise err
@@ -189,10 +198,17 @@ class StoreClient:
         replicas: int | None = None,
         placement: str = "local_first",
         preferred_segment: str | None = None,
+        segments: Sequence[str] = (),
     ) -> list[Exception | None]:
         """Put many objects; a result per key. One master round trip (`PutCommit`) when the
         client's leased extent has room for them, else a lease first; puts too large for an
-        extent, or whose lease was lost, take PutStart and PutEnd (one of each per batch)."""
+        extent, or whose lease was lost, take PutStart and PutEnd (one of each per batch).
+
+        `segments` places one replica on each named segment, in order (copies placed by host:
+        the writer's own and its reader's), so each object gets max(`replicas`, len(segments))
+        replicas on distinct nodes where that many nodes have room; a named segment that is
+        unknown, full (after the eviction any put there may do) or on a node named before is
+        replaced by what `placement` picks on a node not used yet."""
         if len(keys) != len(datas):
             raise InvalidArgument("keys and datas differ in length")
         views = [byte_view(d) for d in datas]
@@ -203,7 +219,9 @@ class StoreClient:
             if not len(v):
                 raise InvalidArgument(
                     f"object {k!r} is empty; the store keeps objects of >= 1 byte")
-        shape = (replicas, _PLACEMENTS[placement], preferred_segment or "")
+        if isinstance(segments, str):
+            raise InvalidArgument("segments is a sequence of segment names, not one string")
+        shape = (replicas, _PLACEMENTS[placement], preferred_segment or "", tuple(segments))
         fast = self._spaces.put(keys, views, shape)
         if fast is None:
             return self._classic.put(keys, views, *shape)
@@ -406,6 +424,12 @@ class StoreClient:
     def stats(self) -> pb.StatsResponse:
         resp: pb.StatsResponse = self._call("Stats", pb.StatsRequest())
         return resp
+
+    def segments(self) -> list[SegmentInfo]:
+        """Every segment of the cluster with its node's host (from Stats): which segments are
+        on one host, so "local" can mean "on this instance's host"."""
+        return [SegmentInfo(s.name, s.node_id, s.host_id, "ssd" if s.tier == pb.SSD else "dram",
+                            s.size, s.used) for s in self.stats().segments]
 
     def watch(self, node_id: str = "") -> Iterator[pb.BlockEvent]:
         """Block events (stored, evicted, removed, spilled, promoted) as they happen."""

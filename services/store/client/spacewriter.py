@@ -1,8 +1,8 @@
 """The writer's side of space leases (`spaces`): a put that costs one master round trip.
 
 `StoreClient` keeps one leased extent per put shape (replica count, placement, preferred
-segment). A put carves its objects from that extent under a lock (offsets only, no I/O),
-writes their bytes to every replica outside the lock, then publishes them with one
+segment, named segments). A put carves its objects from that extent under a lock (offsets only,
+no I/O), writes their bytes to every replica outside the lock, then publishes them with one
 `PutCommit`. Only when the extent is used up or near its expiry does a put first take a new
 lease (one more round trip, amortised over the extent's objects).
 
@@ -67,8 +67,9 @@ class _Extent:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
-Shape = tuple[int, int, str]
-"""(replicas, placement, preferred segment): puts of one shape share an extent."""
+Shape = tuple[int, int, str, tuple[str, ...]]
+"""(replicas, placement, preferred segment, named segments): puts of one shape share an
+extent."""
 
 
 class SpaceWriter:
@@ -197,13 +198,13 @@ class SpaceWriter:
         return offsets
 
     def _lease(self, shape: Shape, need: int) -> _Extent | None:
-        replicas, placement, preferred = shape
+        replicas, placement, preferred, segments = shape
         sent = time.monotonic()
         try:
             resp = self._call("SpaceLease", pb.SpaceLeaseRequest(
                 size=max(need, self.lease_bytes), min_size=need, replicas=replicas,
                 placement=placement, preferred_segment=preferred,  # type: ignore[arg-type]
-                client_host_id=self._host_id,
+                client_host_id=self._host_id, segments=segments,
             ))
         except (NoSpace, ObjectTooLarge, InvalidArgument, MasterUnavailable):
             return None  # the classic path gives each object its own error

@@ -56,12 +56,16 @@ class PutSuperseded(ObjectExists):
 CLAIM_BYTES_PER_S = 256 << 20
 
 
-def check_put(size: int, replicas: int, placement: int, max_object_size: int) -> int:
+def check_put(size: int, replicas: int, placement: int, max_object_size: int,
+              segments: Sequence[str] = ()) -> int:
     """Validate a put's (or a space lease's) shape; returns the replica count (0 means 1)."""
     if replicas == 0:
         replicas = 1
     if not 1 <= replicas <= MAX_REPLICAS:
         raise InvalidArgument(f"replicas must be 1..{MAX_REPLICAS}, got {replicas}")
+    if len(segments) > MAX_REPLICAS:
+        raise InvalidArgument(
+            f"segments names {len(segments)} segments; at most {MAX_REPLICAS} replicas")
     if size < 1:
         raise InvalidArgument("size must be >= 1 (the store keeps no empty objects)")
     if size > max_object_size:
@@ -95,11 +99,13 @@ class ClassicPuts:
         placement: int = pb.LOCAL_FIRST,
         preferred_segment: str = "",
         client_host_id: str = "",
+        segments: Sequence[str] = (),
     ) -> pb.PutStartResponse:
         """Allocate space for a new object. `exists=True` (put_id 0) when the key is already
-        stored, or (with `in_progress`) another put of it holds a live claim on the key."""
+        stored, or (with `in_progress`) another put of it holds a live claim on the key.
+        `segments`: one replica on each, see `TierPolicy.place`."""
         check_key(key)
-        replicas = check_put(size, replicas, placement, self.max_object_size)
+        replicas = check_put(size, replicas, placement, self.max_object_size, segments)
         with self._cat.op():
             if key in self._cat.objects:
                 return pb.PutStartResponse(exists=True)
@@ -112,10 +118,11 @@ class ClassicPuts:
                     "put claim lapsed: another writer takes the key over",
                     extra={"key": key, "put_id": claimant.put_id},
                 )
-            reps = self._tiers.place(size, replicas, placement, preferred_segment, client_host_id)
+            reps = self._tiers.place(size, replicas, placement, preferred_segment, client_host_id,
+                                     segments=segments)
             put_id = self._cat.new_id()
             claim = min(self.put_timeout_s,
-                        self.put_claim_s + size * replicas / CLAIM_BYTES_PER_S)
+                        self.put_claim_s + size * len(reps) / CLAIM_BYTES_PER_S)
             self.pending[put_id] = Pending(
                 put_id, key, size, reps, now + self.put_timeout_s, now + claim
             )
@@ -170,7 +177,7 @@ class ClassicPuts:
             try:
                 ok = self.put_start(
                     it.key, it.size, it.replicas, it.placement, it.preferred_segment,
-                    it.client_host_id,
+                    it.client_host_id, it.segments,
                 )
                 out.append(pb.PutStartResult(ok=ok))
             except (InvalidArgument, NoSpace) as e:  # ObjectTooLarge is an InvalidArgument

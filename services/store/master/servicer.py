@@ -228,7 +228,7 @@ class MasterServicer:
         self._authoritative()
         return self.state.put_start(
             req.key, req.size, req.replicas, req.placement, req.preferred_segment,
-            req.client_host_id,
+            req.client_host_id, req.segments,
         )
 
     def PutEnd(self, req: pb.PutEndRequest, ctx: Any) -> pb.PutEndResponse:
@@ -254,7 +254,7 @@ class MasterServicer:
         self._authoritative()
         return self.state.lease_space(
             req.size, req.min_size, req.replicas, req.placement, req.preferred_segment,
-            req.client_host_id,
+            req.client_host_id, req.segments,
         )
 
     def PutCommit(self, req: pb.PutCommitRequest, ctx: Any) -> pb.PutCommitResponse:

@@ -110,23 +110,27 @@ class SpaceLeases:
 
     def lease_space(
         self, size: int, min_size: int = 0, replicas: int = 1, placement: int = pb.LOCAL_FIRST,
-        preferred_segment: str = "", client_host_id: str = "",
+        preferred_segment: str = "", client_host_id: str = "", segments: Sequence[str] = (),
     ) -> pb.SpaceLeaseResponse:
-        """Lease an extent of up to `size` bytes (at least `min_size`) on `replicas` nodes."""
+        """Lease an extent of up to `size` bytes (at least `min_size`) on `replicas` nodes, one
+        of them on each of `segments` (see `TierPolicy.place`). The generous extent is taken
+        only from free room, on the named segments themselves: one of them without room gets
+        the `min_size` extent, made room for by eviction there, before it is replaced."""
         min_size = min_size or size
         if min_size > size:
             raise InvalidArgument(f"min_size {min_size} is above size {size}")
-        replicas = check_put(min_size, replicas, placement, self.max_object_size)
+        replicas = check_put(min_size, replicas, placement, self.max_object_size, segments)
         with self._cat.op():
             largest = max((s.alloc.capacity for s in self._cat.segments.values()), default=0)
             grant = max(min_size, min(size, MAX_EXTENT, largest // EXTENT_SHARE))
             try:
                 reps = self._tiers.place(grant, replicas, placement, preferred_segment,
-                                   client_host_id, evict=False)
+                                         client_host_id, evict=False, segments=segments,
+                                         fallback=False)
             except NoSpace:
                 grant = min_size
                 reps = self._tiers.place(grant, replicas, placement, preferred_segment,
-                                   client_host_id)
+                                         client_host_id, segments=segments)
             grant = align_up(grant)
             lease = SpaceLease(self._cat.new_id(), grant, reps, self._cat.now() + self.space_ttl_s)
             self._spaces[lease.lease_id] = lease

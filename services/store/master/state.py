@@ -167,11 +167,11 @@ class MasterState:
 
     def put_start(
         self, key: str, size: int, replicas: int = 1, placement: int = pb.LOCAL_FIRST,
-        preferred_segment: str = "", client_host_id: str = "",
+        preferred_segment: str = "", client_host_id: str = "", segments: Sequence[str] = (),
     ) -> pb.PutStartResponse:
         """See `puts.ClassicPuts.put_start`."""
         return self.puts.put_start(key, size, replicas, placement, preferred_segment,
-                                   client_host_id)
+                                   client_host_id, segments)
 
     def put_end(self, key: str, put_id: int, checksum: int) -> None:
         self.puts.put_end(key, put_id, checksum)
@@ -187,11 +187,11 @@ class MasterState:
 
     def lease_space(
         self, size: int, min_size: int = 0, replicas: int = 1, placement: int = pb.LOCAL_FIRST,
-        preferred_segment: str = "", client_host_id: str = "",
+        preferred_segment: str = "", client_host_id: str = "", segments: Sequence[str] = (),
     ) -> pb.SpaceLeaseResponse:
         """See `spaces.SpaceLeases.lease_space`."""
         return self.spaces.lease_space(size, min_size, replicas, placement, preferred_segment,
-                                       client_host_id)
+                                       client_host_id, segments)
 
     def put_commit(
         self, lease_id: int, items: Sequence[pb.CommitItem], release: bool = False
@@ -399,7 +399,7 @@ class MasterState:
             segs = [
                 pb.SegmentStats(
                     name=s.name, node_id=s.node.node_id, tier=s.tier, size=s.size,  # type: ignore[arg-type]
-                    used=s.alloc.used, objects=s.count,
+                    used=s.alloc.used, objects=s.count, host_id=s.node.host_id,
                 )
                 for s in self._segments.values()
             ]

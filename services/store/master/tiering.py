@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 
 from mooncake_k8s.common.errors import NoSpace, ObjectTooLarge
 from mooncake_k8s.common.rpc import store_pb2 as pb
@@ -80,14 +81,18 @@ class TierPolicy:
 
     def place(
         self, size: int, n: int, placement: int, preferred: str, host_id: str,
-        evict: bool = True,
+        evict: bool = True, segments: Sequence[str] = (), fallback: bool = True,
     ) -> list[Rep]:
         """Pick and allocate `n` replicas on distinct nodes, each under its high watermark.
 
-        DRAM segments with room in placement order first (one without room starts spilling);
-        then SSD segments with room; then (unless `evict` is False: a space lease's generous
-        extent is not worth dropping cached objects for) DRAM made room in by eviction, then
-        SSD likewise.
+        Named `segments` first, one replica on each, in order (`_place_named`); then the rest
+        up to max(n, len(segments)): DRAM segments with room in placement order first (one
+        without room starts spilling); then SSD segments with room; then (unless `evict` is
+        False: a space lease's generous extent is not worth dropping cached objects for) DRAM
+        made room in by eviction, then SSD likewise. Only `n` replicas are required: the
+        extra ones the names ask for are placed where distinct nodes with space allow (a copy
+        placed by host is worth having, not worth failing a put for). With `fallback` False,
+        a named segment that cannot take its replica raises NoSpace instead of being replaced.
         """
         alive = list(self._cat.segments.values())
         if not alive:
@@ -101,36 +106,71 @@ class TierPolicy:
         n_nodes = len({s.node.node_id for s in fits})
         if n > n_nodes:
             raise NoSpace(f"{n} replicas need {n} distinct nodes; {n_nodes} can hold the object")
+        want = min(max(n, len(segments)), n_nodes)
+        chosen = self._place_named(size, segments, evict) if segments else []
+        if not fallback and len(chosen) < len({self._cat.segments[s].node.node_id
+                                                for s in segments if s in self._cat.segments}):
+            self._free_all(chosen, size)
+            raise NoSpace(f"a named segment of {list(segments)} has no room for {size} bytes")
         fits.sort(key=lambda s: s.alloc.free_bytes, reverse=True)
         if placement == pb.PREFERRED and preferred:
             fits.sort(key=lambda s: s.name != preferred)
         elif placement in (pb.LOCAL_FIRST, pb.PLACEMENT_UNSPECIFIED) and host_id:
             fits.sort(key=lambda s: s.node.host_id != host_id)
-        drams = [s for s in fits if s.tier == DRAM]
-        ssds = [s for s in fits if s.tier != DRAM]
-        passes = [(drams, False), (ssds, False)]
-        if evict:
-            passes += [(drams, True), (ssds, True)]
-        chosen: list[Rep] = []
-        used: set[str] = set()
-        for segs, evict in passes:
-            for seg in segs:
-                if len(chosen) == n:
-                    break
-                if seg.node.node_id in used:
-                    continue
-                off = self._alloc_evicting(seg, size) if evict else self._alloc_in_room(seg, size)
-                if off is not None:
-                    chosen.append(Rep(seg, off))
-                    used.add(seg.node.node_id)
+        self._place_rest(fits, size, want, evict, chosen)
         if len(chosen) < n:
-            for r in chosen:
-                r.seg.alloc.free(r.offset, size)
+            self._free_all(chosen, size)
             raise NoSpace(
                 f"no space for {size} bytes x{n}: everything evictable is leased, pinned or "
                 "being written"
             )
         return chosen
+
+    def _place_named(self, size: int, names: Sequence[str], evict: bool) -> list[Rep]:
+        """A replica on each named segment that is known, holds the object, is on a node not
+        used yet and has room (made by evicting its LRU objects, as any put there would,
+        when `evict`). The others are skipped: the caller places their replicas elsewhere."""
+        chosen: list[Rep] = []
+        used: set[str] = set()
+        for name in names:
+            seg = self._cat.segments.get(name)
+            if seg is None or seg.node.node_id in used or seg.alloc.capacity < size:
+                continue
+            off = self._alloc_in_room(seg, size)
+            if off is None and evict:
+                off = self._alloc_evicting(seg, size)
+            if off is not None:
+                chosen.append(Rep(seg, off))
+                used.add(seg.node.node_id)
+        return chosen
+
+    def _place_rest(
+        self, fits: list[Segment], size: int, want: int, evict: bool, chosen: list[Rep]
+    ) -> None:
+        """Add replicas to `chosen` (in place) up to `want`, on nodes it does not use yet, in
+        the passes `place` describes."""
+        drams = [s for s in fits if s.tier == DRAM]
+        ssds = [s for s in fits if s.tier != DRAM]
+        passes = [(drams, False), (ssds, False)]
+        if evict:
+            passes += [(drams, True), (ssds, True)]
+        used = {r.seg.node.node_id for r in chosen}
+        for segs, evicting in passes:
+            for seg in segs:
+                if len(chosen) >= want:
+                    return
+                if seg.node.node_id in used:
+                    continue
+                off = (self._alloc_evicting(seg, size) if evicting
+                       else self._alloc_in_room(seg, size))
+                if off is not None:
+                    chosen.append(Rep(seg, off))
+                    used.add(seg.node.node_id)
+
+    @staticmethod
+    def _free_all(reps: list[Rep], size: int) -> None:
+        for r in reps:
+            r.seg.alloc.free(r.offset, size)
 
     def _alloc_in_room(self, seg: Segment, size: int) -> int | None:
         """Allocate without dropping anything. A DRAM segment without room starts spilling to
