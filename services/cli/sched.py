@@ -200,6 +200,19 @@ def analyze(trace_path: str, json_out: str | None, plot_out: str | None,
         _write_json(json_out, result)
 
 
+def _sizes(text: str, what: str) -> tuple[int, ...]:
+    from mooncake_k8s.cli.options import parse_size
+
+    try:
+        vals = tuple(parse_size(x) for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint=what) from None
+    if len(set(vals)) < 2 or min(vals) < 1:
+        raise click.BadParameter("need at least two different sizes >= 1 byte (the fit is "
+                                 "latency + bytes / rate)", param_hint=what)
+    return vals
+
+
 @click.command("calibrate")
 @click.option("--url", envvar="MOONCAKE_URL", default=f"http://127.0.0.1:{d.CONDUCTOR_PORT}",
               show_default=True, show_envvar=True, help="The deployment's OpenAI endpoint.")
@@ -208,7 +221,8 @@ def analyze(trace_path: str, json_out: str | None, plot_out: str | None,
 @click.option("--out", required=True, type=click.Path(dir_okay=False),
               help="Where to write the cost model (.json, or .yaml).")
 @click.option("--master", envvar="MOONCAKE_MASTER", type=MASTERS, default=None, show_envvar=True,
-              help="Store master: read the KV block size from its events.")
+              help="Store master: read the KV block size from its events, and measure the "
+                   "links between hosts through it.")
 @_token_opt
 @click.option("--kv-bytes-per-token", default=None, type=click.IntRange(1),
               help="KV bytes per token, when not read from the store.")
@@ -221,20 +235,46 @@ def analyze(trace_path: str, json_out: str | None, plot_out: str | None,
 @click.option("--decode-tokens", default=32, show_default=True, type=click.IntRange(4))
 @click.option("--repeats", default=2, show_default=True, type=click.IntRange(1, 20))
 @click.option("--name", default="calibrated", show_default=True)
+@click.option("--links/--no-links", default=True, show_default=True,
+              help="With --master: measure the KV links to the pool's segments on other hosts "
+                   "(transfer.pool) and on this host (transfer.local).")
+@click.option("--links-only", is_flag=True,
+              help="Measure only the links (needs --master, no model served) into --profile.")
+@click.option("--profile", default=None,
+              help="With --links-only: the profile the links are written into, a shipped "
+                   "name or a file [default: the Conductor's default for this machine].")
+@click.option("--link-sizes", default="256KiB,1MiB,4MiB,16MiB,64MiB", show_default=True,
+              help="Object sizes put and read back on each segment.")
+@click.option("--link-repeats", default=3, show_default=True, type=click.IntRange(1, 50))
 def calibrate(url: str, api_key: str | None, model: str | None, out: str, master: str | None,
               token: str, kv_bytes_per_token: int | None, block_tokens: int, lengths: str,
-              batches: str, decode_tokens: int, repeats: int, name: str) -> None:
-    """Measure a running deployment and write the cost model the Conductor loads."""
+              batches: str, decode_tokens: int, repeats: int, name: str, links: bool,
+              links_only: bool, profile: str | None, link_sizes: str,
+              link_repeats: int) -> None:
+    """Measure a running deployment (or, --links-only, the store's links between hosts) and
+    write the cost model the Conductor loads."""
     from mooncake_k8s.conductor.tools import calibrate as cal
 
+    if links_only and not master:
+        raise click.BadParameter("--links-only measures through the store: give --master",
+                                 param_hint="--master")
+    if profile and not links_only:
+        raise click.BadParameter("only with --links-only (a full calibration measures the "
+                                 "whole profile)", param_hint="--profile")
     cfg = cal.CalibrateConfig(
         url=url.rstrip("/"), api_key=api_key, model=model,
         lengths=tuple(int(x) for x in _floats(lengths, "--lengths")),
         batches=tuple(int(x) for x in _floats(batches, "--batches")),
         decode_tokens=decode_tokens, repeats=repeats, kv_bytes_per_token=kv_bytes_per_token,
-        master=master, token=token, block_tokens=block_tokens, name=name)
+        master=master, token=token, block_tokens=block_tokens, name=name, links=links,
+        link_sizes=_sizes(link_sizes, "--link-sizes"), link_repeats=link_repeats)
+    base = None
+    if links_only:
+        from mooncake_k8s.conductor.sched.costmodel import default_profile
+
+        base = _load_model(profile or default_profile(None, None))
     try:
-        data = cal.run(cfg, out, click.echo)
+        data = cal.run(cfg, out, click.echo, base=base)
     except cal.CalibrationError as e:
         _fail(str(e))
     click.echo(json.dumps({k: data[k] for k in ("prefill", "transfer", "decode")}, indent=2))

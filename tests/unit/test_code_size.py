@@ -34,7 +34,6 @@ LONG_FUNCTIONS: dict[str, set[str]] = {
     "services/cli/serving.py": {"_worker"},
     "services/conductor/http/api.py": {"_stream"},
     "services/conductor/tools/analyze.py": {"analyze"},
-    "services/conductor/tools/calibrate.py": {"calibrate"},
     "services/conductor/tools/sim/replay.py": {"run"},
     "services/engine/embedded/engine.py": {"prefill"},
 }

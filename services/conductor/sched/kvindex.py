@@ -122,6 +122,12 @@ class KVIndex:
                 m |= 1 << self.segment(s)
         return m
 
+    @property
+    def segment_names(self) -> Sequence[str]:
+        """Every segment seen so far, in bit order (grows only: a new name here is a segment
+        the router may not yet know the host of)."""
+        return self._names
+
     def blocks_in(self, segment: str) -> int:
         bit = self._bits.get(segment)
         return 0 if bit is None else self._blocks[bit]

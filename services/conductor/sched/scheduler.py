@@ -5,15 +5,22 @@
 index; it does no I/O, so the live Conductor (`serving.router.MooncakeRouter`) and the trace
 simulator (`tools.sim`) run exactly this code, and its tests need no servers.
 
+"Local" is per host: an instance's mask (`PrefillView.local_mask`, `DecodeView.local_mask`)
+is every segment on its host, so a prefix on the instance's host costs the cost model's `local`
+link and one elsewhere its `pool` link (measured between hosts by `mooncake calibrate`); the
+fetch-or-recompute choice (`_cost_global`) is then the network's.
+
 When the global-cache-aware policy fetches, the blocks are kept where they were fetched to
-(hot-block replication): the next request with that prefix finds it locally on one more
-instance. With early rejection, the decision is then judged against the SLOs
-(`admission.judge`) using the predicted TTFT and the TBT predicted from the decode load the
-request will meet.
+(hot-block replication): the next request with that prefix finds it on one more host. The
+cache-aware policies also prefer, load permitting, the decode instance whose host holds the
+prompt's reused prefix (`_near_decode`): a repeat then moves only its new tail between hosts.
+With early rejection, the decision is then judged against the SLOs (`admission.judge`) using
+the predicted TTFT and the TBT predicted from the decode load the request will meet.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -78,7 +85,7 @@ class PrefillView:
     queue_ms: float
     """Predicted time until a new request would start computing here."""
     local_mask: int = 0
-    """KV index mask of this instance's own segments (0: it holds nothing locally)."""
+    """KV index mask of the segments on this instance's host (0: it holds nothing locally)."""
     revision: str = ""
     """The deployment revision it runs: paired only with decode instances of the same one."""
 
@@ -93,6 +100,9 @@ class DecodeView:
     """0 = unknown: the cost model's capacity applies (or none)."""
     revision: str = ""
     """The deployment revision it runs (see `PrefillView.revision`)."""
+    local_mask: int = 0
+    """KV index mask of the segments on this instance's host: the prompt's KV held there is
+    loaded without crossing the network (0: unknown, no locality preference)."""
 
 
 @dataclass(slots=True)
@@ -129,6 +139,9 @@ class Scheduler:
         """Of the decision under way: `Demand.block_tokens`, else the configured size."""
         self._prefill_pick, self._decode_pick = picks(Policy(config.policy),
                                                          random.Random(config.seed))
+        self._locality = Policy(config.policy) in (Policy.LOCAL_CACHE_AWARE,
+                                                    Policy.GLOBAL_CACHE_AWARE)
+        """Whether decode is picked with the prompt's KV in mind (`_near_decode`)."""
         self._memo: dict[tuple[int, int, int, int, int, bool], tuple[float, int]] = {}
         self._memo_model: CostModel | None = None
 
@@ -204,7 +217,7 @@ class Scheduler:
         cached = self._tokens(reuse, prompt)
         self.ledger.expire(now_ms)
         di, tbt, fits, clears = self._pick_decode(demand, decodes, prefills[pi].revision,
-                                                  now_ms + ttft)
+                                                  now_ms + ttft, reuse)
         adm = self.config.admission
         verdict = (judge(adm, demand.priority, ttft, tbt, fits, clears)
                    if adm is not None and shed else Verdict(True))
@@ -243,22 +256,75 @@ class Scheduler:
         return max(seqs, d.running), max(toks, d.kv_used_tokens), cap
 
     def _pick_decode(self, demand: Demand, decodes: Sequence[DecodeView], revision: str,
-                     arrive_ms: float) -> tuple[int, float, bool, float]:
+                     arrive_ms: float, reuse: int = 0) -> tuple[int, float, bool, float]:
         """(index, predicted TBT, KV fits, ms until its next predicted finish), among the
         instances of `revision` when there are any (picked again among those only when the
-        first pick is of another revision: for the least-loaded policies the same answer)."""
+        first pick is of another revision: for the least-loaded policies the same answer).
+        `reuse`: leading blocks of the prompt the prefill reuses (not computes), which the
+        cache-aware policies would rather the decode found on its own host."""
         need = demand.prompt_tokens + demand.max_tokens
-        step = self.model.step_ms
         di = self._decode_pick(self, decodes, need)
         if decodes[di].revision != revision:
             same = [i for i, d in enumerate(decodes) if d.revision == revision]
             if same:
                 di = same[self._decode_pick(self, [decodes[i] for i in same], need)]
-        n_seqs, n_toks, cap = self._state(decodes[di], arrive_ms)
-        fits = not cap or n_toks + need <= cap
-        tbt = step(n_seqs + 1, n_toks + need)
+        if reuse and self._locality:
+            di = self._near_decode(demand, decodes, di, reuse, arrive_ms)
+        tbt, fits = self._predict(decodes[di], need, arrive_ms)
         clears = self.ledger.next_finish(decodes[di].slot) - arrive_ms
         return di, tbt, fits, max(0.0, clears)
+
+    def _predict(self, d: DecodeView, need: int, arrive_ms: float) -> tuple[float, bool]:
+        """(TBT, KV fits) predicted for a request of `need` tokens joining `d` at arrival."""
+        n_seqs, n_toks, cap = self._state(d, arrive_ms)
+        return self.model.step_ms(n_seqs + 1, n_toks + need), not cap or n_toks + need <= cap
+
+    def _near_decode(self, demand: Demand, decodes: Sequence[DecodeView], di: int,
+                     reuse: int, arrive_ms: float) -> int:
+        """The load-based pick `di`, or a decode instance of its revision whose host holds
+        more of the reused prefix, when that is cheaper for the request as a whole.
+
+        Cost of an instance: the reused KV it must pull from another host
+        (`transfer_ms("pool", tokens)`, once) plus the request's decode steps at the TBT it
+        would see there. A holder never replaces a pick whose KV fits when its own does not,
+        nor one within the TBT objective when its own TBT is over it and worse: locality
+        only breaks near-ties of load, and the verdict is judged on the final pick as ever."""
+        masks = [d.local_mask for d in decodes]
+        if not any(masks):
+            return di
+        held = self.index.match(demand.keys, masks)
+        if not any(held.local_blocks[j] > held.local_blocks[di] for j in held.holding):
+            return di
+        prompt = demand.prompt_tokens
+        need = prompt + demand.max_tokens
+        steps = max(0, demand.max_tokens - 1)
+        cached = self._tokens(reuse, prompt)
+        limit = self._tbt_limit(demand.priority)
+
+        def cost(j: int) -> tuple[float, float, bool]:
+            tbt, fits = self._predict(decodes[j], need, arrive_ms)
+            near = self._tokens(min(held.local_blocks[j], reuse), prompt)
+            return self.model.transfer_ms("pool", cached - near) + steps * tbt, tbt, fits
+
+        best = di
+        best_ms, tbt0, fits0 = cost(di)
+        rev = decodes[di].revision
+        for j in held.holding:
+            if held.local_blocks[j] <= held.local_blocks[di] or decodes[j].revision != rev:
+                continue
+            ms, tbt, fits = cost(j)
+            if (fits0 and not fits) or (tbt > limit and tbt > tbt0):
+                continue
+            if ms < best_ms:
+                best, best_ms = j, ms
+        return best
+
+    def _tbt_limit(self, priority: str) -> float:
+        """The TBT a request of this class may be predicted to see and be admitted."""
+        adm = self.config.admission
+        if adm is None or adm.slo.tbt_ms is None:
+            return math.inf
+        return adm.slo.tbt_ms * adm.fraction(priority)
 
 
 def paired(revision: str, decodes: Sequence[DecodeView]) -> bool:

@@ -4,8 +4,13 @@
 from the instances' load reports (revision included), computes the prompt's block keys once in
 the workers' namespace, asks `Scheduler.decide` (pure, no I/O; the one place the pair is
 chosen) and returns a `Route`: the pair and the `KVPlan` message that prefill and decode both
-receive as it is. It is the one place where the scheduler meets I/O: the store (pinning hot
-prefixes) and the Conductor's metrics.
+receive as it is. It is the one place where the scheduler meets I/O: the store (which host
+each segment is on) and the Conductor's metrics.
+
+Locality is per host: an instance's local mask is every segment on the host its load report
+names (`LoadReport.host_id`), learnt from the store's segment list (`StoreClient.segments`),
+read off the event loop every `hosts_refresh_s` and whenever the KV index meets a segment it
+has not seen; until then (or when a report names no host) it is the instance's own segment.
 """
 
 from __future__ import annotations
@@ -14,8 +19,7 @@ import asyncio
 import logging
 import math
 import time
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -97,19 +101,32 @@ class MooncakeRouter:
     (their cached share is unknown here, so it is an upper bound); a decode instance's load is
     the larger of its report and the ledger. Block keys use the workers' namespace, so the
     index answers in the store's own keys. A predicted SLO miss raises `Overloaded` (429).
-    A fetched hot prefix is soft-pinned in the store so it stays in the pool (the store has no
-    call to add a replica of an existing object; pinning is what its API offers).
+
+    The plan places the copies (design: KV placed by host): new blocks go to the decode
+    instance's segment (`write_segment`) and to the prefill instance's own (`home_segment`),
+    and a fetched prefix is kept where it was read (`keep_fetched`, the scheduler's
+    `replicate`). Fetched prefixes are no longer soft-pinned: they are now really replicated
+    by the workers within the pool's watermarks, and a pin (never released) only kept every
+    copy of them from ever being evicted.
     """
 
     def __init__(self, scheduler: Scheduler, store: StoreClient | None = None,
-                 metrics: ConductorMetrics | None = None, pin_memory: int = 4096) -> None:
+                 metrics: ConductorMetrics | None = None, *,
+                 hosts_refresh_s: float = 10.0) -> None:
         self.scheduler = scheduler
         self.index = scheduler.index
         self.store = store
         self.metrics = metrics
+        self.hosts_refresh_s = hosts_refresh_s
         self._slots: dict[str, int] = {}
-        self._pinned: OrderedDict[str, None] = OrderedDict()
-        self._pin_memory = pin_memory
+        self._on_host: dict[str, list[str]] = {}
+        """Host id -> the names of the segments on it (from the store)."""
+        self._masks: dict[tuple[str, str], int] = {}
+        """(host id, local segment) -> local mask; emptied when the hosts change."""
+        self._hosts_at = -math.inf
+        self._hosts_seen = 0
+        """Segments the index had when the last refresh began."""
+        self._refresh: asyncio.Future[None] | None = None
 
     def _slot(self, inst: Instance) -> int:
         slot = self._slots.get(inst.address)
@@ -117,12 +134,75 @@ class MooncakeRouter:
             slot = self._slots[inst.address] = len(self._slots)
         return slot
 
+    # -- which host each segment is on ----------------------------------------------------
+
+    def set_hosts(self, segments: Iterable[tuple[str, str]]) -> None:
+        """(segment name, host id) pairs: the store's segments, all of them."""
+        on_host: dict[str, list[str]] = {}
+        for name, host in segments:
+            if host:
+                on_host.setdefault(host, []).append(name)
+        if on_host != self._on_host:
+            self._on_host = on_host
+            self._masks.clear()
+
+    @property
+    def hosts(self) -> Mapping[str, Sequence[str]]:
+        """Host id -> its segments, as last read from the store."""
+        return self._on_host
+
+    def refresh_hosts(self) -> asyncio.Future[None]:
+        """Read the store's segment list in a thread (a refresh under way is joined); the
+        views use the answer from the next decision on. A failed read keeps the old map."""
+        if self._refresh is not None and not self._refresh.done():
+            return self._refresh
+        loop = asyncio.get_running_loop()
+        self._hosts_at = time.monotonic()
+        self._hosts_seen = len(self.index.segment_names)
+        store = self.store
+
+        def read() -> list[tuple[str, str]]:
+            assert store is not None
+            return [(s.name, s.host_id) for s in store.segments()]
+
+        done: asyncio.Future[None] = loop.create_future()
+
+        def finish(f: asyncio.Future[list[tuple[str, str]]]) -> None:
+            try:
+                self.set_hosts(f.result())
+            except Exception as e:  # a stale map costs locality, never a request
+                log.warning("reading the store's segments failed; keeping the host map",
+                            extra={"error": f"{type(e).__name__}: {e}"})
+            done.set_result(None)
+
+        loop.run_in_executor(None, read).add_done_callback(finish)
+        self._refresh = done
+        return done
+
+    def _maybe_refresh(self) -> None:
+        if self.store is None:
+            return
+        if (time.monotonic() - self._hosts_at >= self.hosts_refresh_s
+                or len(self.index.segment_names) > self._hosts_seen):
+            self.refresh_hosts()
+
+    def local_mask(self, host_id: str, segment: str) -> int:
+        """The KV index mask of every segment on `host_id`, and `segment` (the instance's
+        own, which is on its host whatever the map says)."""
+        key = (host_id, segment)
+        m = self._masks.get(key)
+        if m is None:
+            m = self._masks[key] = self.index.mask([*self._on_host.get(host_id, ()), segment])
+        return m
+
+    # -- views and the decision -----------------------------------------------------------
+
     def _prefill_view(self, inst: Instance) -> PrefillView:
         r = inst.report
         pf = self.scheduler.model.prefill
         queued = max(r.queued_tokens if r else 0, inst.inflight_tokens)
         jobs = max(r.queued_requests if r else 0, inst.inflight)
-        mask = self.index.mask([r.local_segment]) if r and r.local_segment else 0
+        mask = self.local_mask(r.host_id, r.local_segment) if r else 0
         return PrefillView(self._slot(inst), pf.base_ms * jobs + pf.per_token_ms * queued, mask,
                            r.revision if r else "")
 
@@ -132,7 +212,8 @@ class MooncakeRouter:
             return DecodeView(self._slot(inst), inst.inflight)
         used = max(0, r.kv_capacity_tokens - r.kv_free_tokens)
         return DecodeView(self._slot(inst), max(r.running, inst.inflight), used,
-                          r.kv_capacity_tokens, r.revision)
+                          r.kv_capacity_tokens, r.revision,
+                          self.local_mask(r.host_id, r.local_segment))
 
     async def route(self, req: RouteRequest, prefills: Sequence[Instance],
                     decodes: Sequence[Instance]) -> Route:
@@ -142,6 +223,7 @@ class MooncakeRouter:
             raise NoCapacity("no decode instance is ready")
         pviews = [self._prefill_view(p) for p in prefills]
         dviews = [self._decode_view(d) for d in decodes]
+        self._maybe_refresh()
         # The keys are in the namespace of a prefill instance the scheduler can pair (during
         # a rollout another revision may be another model); they travel in the plan.
         keyed = next((p for p, v in zip(prefills, pviews, strict=True)
@@ -161,27 +243,10 @@ class MooncakeRouter:
             if self.metrics is not None:
                 self.metrics.rejections.labels(f"slo_{dec.verdict.reason}").inc()
             raise Overloaded(dec.verdict, demand.priority)
-        if dec.replicate and dec.fetch_blocks:
-            self._pin(list(keys[: dec.local_blocks + dec.fetch_blocks]))
-        decode = decodes[dec.decode]
-        seg = decode.report.local_segment if decode.report else ""
+        prefill, decode = prefills[dec.prefill], decodes[dec.decode]
         plan = pb.KVPlan(block_keys=keys, namespace=ns.digest().hex(),
                          local_blocks=dec.local_blocks, fetch_blocks=dec.fetch_blocks,
-                         write_segment=seg, planned=True)
-        return Route(prefills[dec.prefill], decode, plan)
-
-    def _pin(self, keys: list[str]) -> None:
-        if self.store is None or not keys or keys[-1] in self._pinned:
-            return
-        self._pinned[keys[-1]] = None
-        while len(self._pinned) > self._pin_memory:
-            self._pinned.popitem(last=False)
-        store = self.store
-
-        def pin() -> None:
-            try:
-                store.pin(keys)
-            except Exception as e:  # a failed pin costs future hits, never this request
-                log.debug("pinning a hot prefix failed", extra={"error": str(e)})
-
-        asyncio.get_running_loop().run_in_executor(None, pin)
+                         write_segment=decode.report.local_segment if decode.report else "",
+                         home_segment=prefill.report.local_segment if prefill.report else "",
+                         keep_fetched=dec.replicate, planned=True)
+        return Route(prefill, decode, plan)

@@ -12,6 +12,10 @@ Everything is measured through the deployment's OpenAI endpoint, the way users s
   served each stream, so the batch size is counted per instance.
 - KV bytes per token: given, or read from the store's block events (`--master`): the size of a
   stored block over its tokens.
+- the links (with `--master`, unless `--no-links`): the KV links between hosts, measured
+  through the store (`links`): `transfer.pool` from segments on other hosts, `transfer.local`
+  from this host's. Without them the pool link is the end-to-end load cost above, which on
+  one host is a same-host load. `--links-only` measures just these into a base profile.
 
 Prompts are token ids (no tokeniser on this side), drawn from a seeded RNG below 10,000, which
 every model's vocabulary covers; every prompt starts with a fresh random block so nothing of a
@@ -27,7 +31,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aiohttp
@@ -42,6 +46,7 @@ from mooncake_k8s.conductor.sched.costmodel import (
     fit_decode,
     fit_prefill,
 )
+from mooncake_k8s.conductor.tools import links as links_mod
 
 HEADER_BYTES = 64  # the KV block header (common.blocks.HEADER_SIZE)
 
@@ -69,6 +74,10 @@ class CalibrateConfig:
     seed: int = 0
     timeout_s: float = 120.0
     """Per request: a stream that stops producing tokens fails the run instead of hanging."""
+    links: bool = True
+    """With `master`: measure the links between hosts into `transfer` (`links.measure`)."""
+    link_sizes: Sequence[int] = links_mod.SIZES
+    link_repeats: int = 3
 
 
 class _Client:
@@ -219,6 +228,15 @@ async def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print) ->
             raise CalibrationError("saw no block stored in the store; is --master the "
                                    "deployment's master and prefix caching on?")
         kv = round((statistics.median(sizes) - HEADER_BYTES) / cfg.block_tokens)
+    model = _model(cfg, c.model, kv, pre, dec)
+    if cfg.links and cfg.master:
+        model = await asyncio.to_thread(measure_links, model, cfg, log)
+    return model
+
+
+def _model(cfg: CalibrateConfig, served: str, kv: int, pre: list[tuple[int, int, float]],
+           dec: list[tuple[int, int, float]]) -> CostModel:
+    """The fitted cost model of the endpoint's samples."""
     if len(dec) < 3:
         raise CalibrationError(f"only {len(dec)} usable decode samples; raise "
                                "--decode-tokens or the batch sizes")
@@ -239,7 +257,7 @@ async def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print) ->
         name=cfg.name, kv_bytes_per_token=int(kv), prefill=prefill,
         transfer={"pool": pool},
         decode=Decode(decode.base_ms, decode.per_seq_ms, decode.per_ctx_token_ms, 0),
-        source=f"mooncake calibrate against {cfg.url} ({c.model}) at "
+        source=f"mooncake calibrate against {cfg.url} ({served}) at "
                f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
         extra={"prefill_fit": {"r2": round(pf.r2, 4), "samples": pf.samples},
                "decode_fit": {"r2": round(df.r2, 4), "samples": df.samples},
@@ -249,7 +267,31 @@ async def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print) ->
     )
 
 
-def run(cfg: CalibrateConfig, out: str, log: Callable[[str], None] = print) -> dict[str, Any]:
-    model = asyncio.run(calibrate(cfg, log))
+def measure_links(base: CostModel, cfg: CalibrateConfig,
+                  log: Callable[[str], None] = print) -> CostModel:
+    """`base` with the links between hosts measured through the store at `cfg.master`."""
+    assert cfg.master
+    try:
+        found = links_mod.measure(links_mod.LinkConfig(
+            cfg.master, cfg.token, sizes=cfg.link_sizes, repeats=cfg.link_repeats), log)
+    except links_mod.LinkError as e:
+        raise CalibrationError(f"measuring the links: {e}") from e
+    for what, link in (("pool (other hosts)", found.pool), ("local (this host)", found.local)):
+        if link is not None:
+            log(f"link {what}: {link.gbps:.3f} GB/s, latency {link.latency_ms:.3f} ms")
+    if found.pool is None:
+        log("no segment on another host: transfer.pool not measured")
+    return links_mod.merge(base, found, f"store at {cfg.master}, "
+                                        f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
+
+
+def run(cfg: CalibrateConfig, out: str, log: Callable[[str], None] = print,
+        base: CostModel | None = None) -> dict[str, Any]:
+    """Calibrate and write `out`; with `base` (`--links-only`) only the links are measured,
+    into that profile (no model need be served)."""
+    if base is not None:
+        model = measure_links(replace(base, name=cfg.name), cfg, log)
+    else:
+        model = asyncio.run(calibrate(cfg, log))
     model.save(out)
     return model.to_dict()
