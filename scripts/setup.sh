@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 export PYTHONSAFEPATH=1
 
 # python3-pyverbs: rdma-core's Python bindings, the RDMA transport's dependency (see below).
-APT_PKGS=(redis-server curl python3-pyverbs)
+# iptables: the multi-host test bed's link loss and delay (netfilter rules; no netem needed).
+APT_PKGS=(redis-server curl python3-pyverbs iptables)
 missing=()
 for p in "${APT_PKGS[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
+from mooncake_k8s.testbed.faults import Faults, parse_delay, parse_loss
+
 T = TypeVar("T")
 
 _CLONE_NEWNET = 0x40000000
@@ -88,23 +90,26 @@ class Host:
     def shape(self, rate: str | None = None, delay: str | None = None,
               loss: str | None = None) -> None:
         """Set the link in both directions: `rate` ("1gbit", "100mbit"), `delay` ("10ms"),
-        `loss` ("1%"). tbf for a rate alone, netem when there is delay or loss; nothing given =
-        unlimited. The same qdisc goes on the host's end (what it sends) and the bridge's end
-        (what it receives)."""
+        `loss` ("1%"); nothing given = unlimited. The rate is a tbf qdisc on the host's end
+        (what it sends) and the bridge's end (what it receives). Delay and loss are netfilter
+        rules on the bridge (faults.py: this kernel may have no netem), once per direction: a
+        packet between two hosts crosses both their links, so both their delays and losses."""
+        parse_delay(delay), parse_loss(loss)  # a bad value changes nothing
         self.bed.run_in_parent("tc", "qdisc", "del", "dev", self.port, "root", check=False)
         self.run("tc", "qdisc", "del", "dev", self.dev, "root", check=False)
-        spec = _qdisc(rate, delay, loss)
-        if not spec:
-            return
-        try:
+        if rate:
+            spec = ["tbf", "rate", rate, "burst", "512kb", "latency", "20ms"]
             self.run("tc", "qdisc", "add", "dev", self.dev, "root", *spec)
-        except TestbedUnavailable as e:
-            if spec[0] == "netem" and "unknown" in str(e):
-                raise TestbedUnavailable(
-                    f"this kernel has no netem qdisc (sch_netem), so the bed cannot add delay "
-                    f"or loss (asked: delay={delay} loss={loss}); rates alone use tbf") from e
-            raise
-        self.bed.run_in_parent("tc", "qdisc", "add", "dev", self.port, "root", *spec)
+            self.bed.run_in_parent("tc", "qdisc", "add", "dev", self.port, "root", *spec)
+        self.bed.faults.apply(self, delay, loss)
+
+    def faults(self) -> str:
+        """The loss and delay rules in force for this host (with packet counters)."""
+        return self.bed.faults.describe(self)
+
+    def dropped(self) -> int:
+        """Packets its loss rules dropped, both directions, since they were last set."""
+        return self.bed.faults.dropped(self)
 
     def qdisc(self) -> str:
         """`tc qdisc show` of the host's end of its link: the shaping actually in force."""
@@ -149,6 +154,7 @@ class Testbed:
         self.subnet = subnet
         self.hosts: dict[str, Host] = {}
         self._holder: subprocess.Popen[bytes] | None = None
+        self.faults = Faults(self)
 
     # -- the private parent -----------------------------------------------------------------
 
@@ -237,6 +243,7 @@ class Testbed:
                 _signal_group(p, signal.SIGKILL)
                 p.wait(timeout=10)
             _signal_group(p, signal.SIGKILL)  # what an exited leader left in its group
+        self.faults.close()
         if self._holder is not None:
             _signal_group(self._holder, signal.SIGKILL)
             self._holder.wait(timeout=10)
@@ -254,21 +261,6 @@ def check_support() -> None:
     if os.geteuid() != 0:
         raise TestbedUnavailable("the test bed needs root (network namespaces, veth, a bridge "
                                  "and tc); run the tests as root, as CI does")
-
-
-def _qdisc(rate: str | None, delay: str | None, loss: str | None) -> list[str]:
-    if delay or loss:
-        spec = ["netem"]
-        if delay:
-            spec += ["delay", delay]
-        if loss:
-            spec += ["loss", loss]
-        if rate:
-            spec += ["rate", rate]
-        return spec
-    if rate:
-        return ["tbf", "rate", rate, "burst", "512kb", "latency", "20ms"]
-    return []
 
 
 def _net_dev(text: str) -> dict[str, tuple[int, int]]:
