@@ -22,10 +22,12 @@ from typing import Any
 
 from mooncake_k8s.operator import corev1, naming, pods_sizing
 from mooncake_k8s.operator.schema import ROLES
+from mooncake_k8s.operator.schema_cel import SEGMENT_WHY
 
 Obj = dict[str, Any]
 
-# `mooncake store node --dram-size` refuses less than this.
+# `mooncake store node --dram-size` refuses less than this, and a worker's
+# --local-segment-size anything between 0 (none) and this.
 MIN_DRAM_PER_NODE = 1 << 20
 
 
@@ -196,6 +198,9 @@ def _size_errors(spec: Obj) -> list[str]:
                  "the sidecar cannot stage KV blocks in 0 bytes")]
     roles = spec.get("roles") or {}
     for role in ("prefill", "decode"):
+        seg = (roles.get(role) or {}).get("localSegmentSize")
+        if _bytes(seg) is not None and 0 < (_bytes(seg) or 0) < MIN_DRAM_PER_NODE:
+            errors.append(f"spec.roles.{role}.localSegmentSize: {seg!r} {SEGMENT_WHY}")
         positive.append((f"spec.roles.{role}.shmSize", (roles.get(role) or {}).get("shmSize"),
                          "a Memory-backed /dev/shm of 0 bytes leaves no room for transfer "
                          "buffers"))

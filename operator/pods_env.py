@@ -135,9 +135,8 @@ def role_env(ctx: Ctx, role: str) -> tuple[list[Obj], list[str]]:
         env.append(env_var("MOONCAKE_ENGINE_ARGS", shlex.join(spec["engine"]["args"])))
     if spec["engine"].get("device") and kind != "sglang":
         env.append(env_var("MOONCAKE_DEVICE", spec["engine"]["device"]))
-    if role == "decode":
-        env.append(env_var("MOONCAKE_LOCAL_SEGMENT_SIZE",
-                           naming.parse_bytes(spec["roles"]["decode"]["localSegmentSize"])))
+    env.append(env_var("MOONCAKE_LOCAL_SEGMENT_SIZE",
+                       naming.parse_bytes(spec["roles"][role]["localSegmentSize"])))
     if kind == "vllm":
         env += _vllm_env(spec, role)
     if kind == "sglang":

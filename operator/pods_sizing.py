@@ -199,7 +199,8 @@ def shm_bytes(spec: Obj, role: str) -> int | None:
         else:
             size = naming.parse_bytes(r["localSegmentSize"]) + GIB
     elif role == "prefill":
-        size = naming.parse_bytes(r["shmSize"])
+        # shmSize is the transfer buffers alone (its default predates the segment).
+        size = naming.parse_bytes(r["shmSize"]) + naming.parse_bytes(r["localSegmentSize"])
     else:
         return None
     if spec["engine"]["kind"] in SERVER_ENGINES:

@@ -21,6 +21,7 @@ from mooncake_k8s.operator.schema_cel import (
     extended_resource,
     min_dram,
     positive,
+    segment_size,
 )
 from mooncake_k8s.operator.schema_dsl import (
     DNS_LABEL,
@@ -147,15 +148,20 @@ def _roles() -> Schema:
                 "decide it.", default=d.CONDUCTOR_GRACE_S, minimum=15, maximum=3600),
         }),
         "prefill": _role("prefill", 1, {
-            "shmSize": size("Memory-backed /dev/shm of each prefill pod (transfer buffers); "
-                            "with engine.kind vllm the pod's /dev/shm also gets vLLM's share "
-                            "(see engine.kind).",
+            "localSegmentSize": size(
+                "DRAM each prefill pod serves to the KV store on its node: prefill keeps the "
+                "prefixes it computed there, so a repeat on that node crosses no network. "
+                "Added to the pod's Memory-backed /dev/shm (0: none).", default="1Gi",
+                rules=(segment_size(),)),
+            "shmSize": size("Memory-backed /dev/shm of each prefill pod for transfer buffers; "
+                            "the pod's /dev/shm is this plus localSegmentSize. With engine.kind "
+                            "vllm the pod's /dev/shm also gets vLLM's share (see engine.kind).",
                             default="1Gi", rules=(positive(SHM_WHY),)),
         }),
         "decode": _role("decode", 1, {
             "localSegmentSize": size(
-                "DRAM each decode pod serves to the KV store so prefill writes KV next to it.",
-                default="2Gi"),
+                "DRAM each decode pod serves to the KV store so prefill writes KV next to it "
+                "(0: none).", default="2Gi", rules=(segment_size(),)),
             "shmSize": size("Memory-backed /dev/shm of each decode pod; must hold "
                             "localSegmentSize plus transfer buffers (default: localSegmentSize "
                             "+ 1Gi). With engine.kind vllm the pod's /dev/shm also gets "

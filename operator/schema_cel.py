@@ -23,6 +23,7 @@ from mooncake_k8s.operator.schema_dsl import rule
 Schema = dict[str, Any]
 
 _INT_OR_QUANTITY = "(type(self) == int ? {int} : quantity(self).{method}(quantity('{q}')))"
+SEGMENT_WHY = "is neither 0 (no segment) nor at least 1Mi, the least a worker serves"
 SHM_WHY = "a Memory-backed /dev/shm of 0 bytes leaves no room for transfer buffers"
 RDMA_PROTOCOL_REFUSED = (
     "rdma is not deployed by the operator in this release: the RDMA transport is untested on "
@@ -54,3 +55,13 @@ def extended_resource() -> Schema:
                 "!self.resourceName.matches('^([^/]*[.])?kubernetes[.]io/')",
                 f"rdma.resourceName {hint}", field_path=".resourceName",
                 message_expression=f"\"'\" + self.resourceName + \"' {hint}\"")
+
+
+def segment_size() -> Schema:
+    """A worker's localSegmentSize: 0 (none) or at least 1Mi (the worker refuses between);
+    the messageExpression quotes the value as written."""
+    small = _INT_OR_QUANTITY.format(int=f"self < {1 << 20}", method="isLessThan", q="1Mi")
+    zero = "(type(self) == int ? self == 0 : quantity(self).sign() == 0)"
+    return rule(f"{zero} || !{small}", f"localSegmentSize {SEGMENT_WHY}",
+                message_expression=f"(type(self) == int ? string(self) : \"'\" + self + \"'\")"
+                                   f" + ' {SEGMENT_WHY}'")

@@ -189,6 +189,10 @@ MOVED = {  # spec -> the field the rule names; admission.py refuses the same spe
                                         "spec.rdma.resourceName"),
     "rdma-protocol": ({"transferProtocol": "rdma", "rdma": {"enabled": True}},
                       "spec.transferProtocol"),
+    "prefill-segment-512Ki": ({"roles": {"prefill": {"localSegmentSize": "512Ki"}}},
+                              "spec.roles.prefill.localSegmentSize"),
+    "decode-segment-bytes": ({"roles": {"decode": {"localSegmentSize": 1048575}}},
+                             "spec.roles.decode.localSegmentSize"),
 }
 ADMITTED = {  # next to each boundary: both the CRD and the operator take these
     "dram-1Mi": {"store": {"dramPerNode": "1Mi"}},
@@ -199,6 +203,10 @@ ADMITTED = {  # next to each boundary: both the CRD and the operator take these
     "hf-cache": {"model": {"huggingFace": {"id": "org/m", "cacheSize": "1k"}}},
     "rdma-resource": {"rdma": {"resourceName": "example.com/rdma-kubernetes.io"}},
     "protocol-auto": {"transferProtocol": "auto", "rdma": {"enabled": True}},
+    "segments-none": {"roles": {"prefill": {"localSegmentSize": 0},
+                                "decode": {"localSegmentSize": "0Gi"}}},
+    "segments-1Mi": {"roles": {"prefill": {"localSegmentSize": "1Mi"},
+                               "decode": {"localSegmentSize": 1048576}}},
 }
 
 

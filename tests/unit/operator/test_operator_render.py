@@ -357,8 +357,9 @@ def test_vllm_cpu_pods(make_cluster: Callable[..., Obj]) -> None:
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
         assert env["OMP_NUM_THREADS"] == "4"  # the 3.5-CPU limit, rounded up
         assert env["VLLM_NO_USAGE_STATS"] == "1" and env["HF_HUB_OFFLINE"] == "1"
-        # /dev/shm: the transfer share plus vLLM's 2Gi (1/8 of 16Gi)
-        transfer = {"prefill": 1 << 30, "decode": 3 << 30}[role]
+        # /dev/shm: the transfer share and pool segment plus vLLM's 2Gi (1/8 of 16Gi); both
+        # roles serve a segment (prefill: shmSize 1Gi + localSegmentSize 1Gi; decode: 2Gi + 1Gi)
+        transfer = {"prefill": 2 << 30, "decode": 3 << 30}[role]
         shm = _volume(t, "dshm")["emptyDir"]
         assert shm == {"medium": "Memory",
                        "sizeLimit": naming.format_bytes(transfer + (2 << 30))}
@@ -379,13 +380,15 @@ def test_vllm_cpu_defaults_without_resources(make_cluster: Callable[..., Obj]) -
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "4"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert "OMP_NUM_THREADS" not in env  # no CPU limit or request: vLLM's own choice
-    assert _volume(t, "dshm")["emptyDir"]["sizeLimit"] == "3Gi"  # 1Gi shmSize + 2Gi for vLLM
+    # 1Gi shmSize + the 1Gi pool segment + 2Gi for vLLM
+    assert _volume(t, "dshm")["emptyDir"]["sizeLimit"] == "4Gi"
 
 
 def test_vllm_shm_follows_the_memory(make_cluster: Callable[..., Obj]) -> None:
     def shm(resources: Obj) -> str:
         t = _template(_vllm(make_cluster, {"prefill": {"resources": resources,
-                                                       "shmSize": "512Mi"}}), "prefill")
+                                                       "shmSize": "512Mi",
+                                                       "localSegmentSize": 0}}), "prefill")
         size: str = _volume(t, "dshm")["emptyDir"]["sizeLimit"]
         return size
 
@@ -418,7 +421,7 @@ def test_vllm_gpu_pods(examples: dict[str, Obj], make_cluster: Callable[..., Obj
         assert c["resources"]["limits"]["nvidia.com/gpu"] == count
         assert _volume(t, "dshm")["emptyDir"]["medium"] == "Memory"
         kubernetes_validate.validate(r.get("StatefulSet", f"demo-{role}"), K8S_VERSION, True)
-    assert _volume(_template(r, "prefill"), "dshm")["emptyDir"]["sizeLimit"] == "3Gi"
+    assert _volume(_template(r, "prefill"), "dshm")["emptyDir"]["sizeLimit"] == "4Gi"
     # The shipped GPU example (SGLang): its engine's image variant, no vLLM settings.
     g = render(validate_cluster(examples["gpu-rdma"]))
     c = _container(g.get("StatefulSet", "qwen-prefill")["spec"]["template"], "prefill")
@@ -487,8 +490,9 @@ def test_vllm_changes_the_serving_revision(make_cluster: Callable[..., Obj]) -> 
 
 
 def test_vllm_shm_counts_against_the_memory_limit(make_cluster: Callable[..., Obj]) -> None:
-    # 1Gi transfer + 256Mi for vLLM do not fit a 1Gi limit; the embedded engine's 1Gi does.
-    roles = {"prefill": {"resources": {"limits": {"memory": "1Gi"}}}}
+    # 1Gi transfer + 256Mi for vLLM do not fit a 1Gi limit; the embedded engine's 1Gi does
+    # (no pool segment here: it would count too).
+    roles = {"prefill": {"resources": {"limits": {"memory": "1Gi"}}, "localSegmentSize": 0}}
     _render(make_cluster({"model": VLLM_MODEL, "roles": roles}))
     with pytest.raises(SpecError, match=r"roles.prefill.resources.limits.memory \(1Gi\) is "
                                         r"below the role's Memory-backed /dev/shm \(1280Mi\)"):
@@ -568,8 +572,9 @@ def test_sglang_cpu_pods(make_cluster: Callable[..., Obj]) -> None:
         if role == "prefill":
             want["bootstrap"] = 8998
         assert _ports_of(c) == want
-        # /dev/shm: the transfer share + SGLang's 1/8 of 6Gi + the sidecar's 256Mi staging
-        transfer = {"prefill": 1 << 30, "decode": 3 << 30}[role]
+        # /dev/shm: the transfer share and pool segment + SGLang's 1/8 of 6Gi + the sidecar's
+        # 256Mi staging
+        transfer = {"prefill": 2 << 30, "decode": 3 << 30}[role]
         assert _volume(t, "dshm")["emptyDir"] == {
             "medium": "Memory", "sizeLimit": naming.format_bytes(transfer + (768 << 20)
                                                                  + (256 << 20))}
@@ -723,7 +728,7 @@ def test_sglang_images(make_cluster: Callable[..., Obj]) -> None:
 
 def test_sglang_shm_counts_against_the_memory_limit(make_cluster: Callable[..., Obj]) -> None:
     # 1Gi transfer + 256Mi for SGLang + 256Mi staging = 1536Mi: above a 1400Mi limit
-    roles = {"prefill": {"resources": {"limits": {"memory": "1400Mi"}}}}
+    roles = {"prefill": {"resources": {"limits": {"memory": "1400Mi"}}, "localSegmentSize": 0}}
     with pytest.raises(SpecError, match=r"\(1536Mi\)"):
         _sglang(make_cluster, roles, device="cpu")
 

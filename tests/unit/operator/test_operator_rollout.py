@@ -71,6 +71,7 @@ CASES: list[tuple[str, str, Any, set[str], bool]] = [
     ("watermarks", "store.lowWatermark", 0.7, {"master"}, False),
     ("dram", "store.dramPerNode", "8Gi", {"store"}, False),
     ("local-segment", "roles.decode.localSegmentSize", "4Gi", {"decode"}, False),
+    ("prefill-segment", "roles.prefill.localSegmentSize", "4Gi", {"prefill"}, False),
     ("autoscaler-bounds", "autoscaling.decode.maxReplicas", 16, set(), False),
     ("autoscaler-windows", "autoscaling.scaleDownStabilizationSeconds", 60, set(), False),
     ("pdb", "roles.store.maxUnavailable", 2, set(), False),
