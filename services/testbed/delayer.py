@@ -6,8 +6,7 @@ IPv4 packet of a delayed host to queue 0 (iptables `-j NFQUEUE`, br_netfilter), 
 running in the holder's network namespace, gives each packet its ACCEPT verdict once its delay
 has passed. A packet's delay is its sender's link delay plus its receiver's (the delay is a
 property of each host's link, crossed once going out and once coming in, as netem on both ends
-of the link would do). Packets on the bridge have crossed a veth, so they no longer count
-against their socket's send budget: holding them here delays them without throttling TCP.
+of the link would do). One process serves every host of the bed.
 
 Talks netfilter's netlink protocol (NETLINK_NETFILTER, subsystem NFNL_SUBSYS_QUEUE) directly:
 only the first 20 bytes of each packet (its IPv4 header: who sent it, to whom) are copied up.

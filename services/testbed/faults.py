@@ -11,7 +11,9 @@ passes every bridged IPv4 packet through its own iptables (br_netfilter,
   holder's network namespace) accepts each one after its sender's plus its receiver's delay.
 A packet from host A to host B thus crosses A's link and B's link, each with its own loss and
 delay, as netem on both ends of every link would have it. Traffic inside a host (loopback) and
-ARP are untouched. The link rate stays a tbf qdisc on both ends (bed.py).
+ARP are untouched. The link rate stays a tbf qdisc on both ends (bed.py). Not in each host's own
+namespace: there a drop in the sender's output path is an error of its socket (EPERM), not a
+loss on the wire.
 """
 
 from __future__ import annotations
