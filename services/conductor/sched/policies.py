@@ -114,6 +114,10 @@ class CacheAwarePrefill:
                 totals[i] = prefills[i].queue_ms + costs[local[i]][0]
         ttft = min(totals)
         pi = totals.index(ttft)
+        if totals.count(ttft) > 1:
+            # A tie (a network no slower than a local load, as an uncalibrated profile may
+            # say): the instance holding more of the prompt on its host moves less over it.
+            pi = max((i for i, t in enumerate(totals) if t == ttft), key=local.__getitem__)
         return pi, ttft, costs[local[pi]][1]
 
 

@@ -168,9 +168,20 @@ class Scheduler:
         c_local = self._tokens(local, prompt)
         c_dram = self._tokens(max(local, match.dram_blocks), prompt)
         c_all = self._tokens(g, prompt)
-        fetched = (m.transfer_ms("local", c_local) + m.transfer_ms("pool", c_dram - c_local)
+        fetched = (m.transfer_ms("local", c_local) + self._remote_ms(c_dram - c_local)
                    + m.transfer_ms("ssd", c_all - c_dram) + m.prefill_ms(prompt - c_all, c_all))
         return (fetched, g - local) if fetched < own else (own, 0)
+
+    def _remote_ms(self, tokens: int) -> float:
+        """Loading `tokens` of KV held on another host: the pool link, and never less than
+        loading them from this host plus the network's latency. The bytes that cross the
+        network are then loaded as a local hit's are, so a network measured faster than the
+        engine loads (10 Gbit/s against the CPU profile's end-to-end local load) must not
+        make a prefix on another host look as cheap as the same prefix here."""
+        m = self.model
+        wire = m.transfer_ms("pool", tokens)
+        here = m.transfer_ms("local", tokens)
+        return wire if wire > here or tokens <= 0 else here + m.link("pool").latency_ms
 
     def costs(self, lengths: set[int], match: Match, prompt: int,
               glob: bool) -> dict[int, tuple[float, int]]:
@@ -284,11 +295,12 @@ class Scheduler:
         """The load-based pick `di`, or a decode instance of its revision whose host holds
         more of the reused prefix, when that is cheaper for the request as a whole.
 
-        Cost of an instance: the reused KV it must pull from another host
-        (`transfer_ms("pool", tokens)`, once) plus the request's decode steps at the TBT it
-        would see there. A holder never replaces a pick whose KV fits when its own does not,
-        nor one within the TBT objective when its own TBT is over it and worse: locality
-        only breaks near-ties of load, and the verdict is judged on the final pick as ever."""
+        Cost of an instance: loading the reused KV, once (what its host holds over the
+        `local` link, the rest from another host, `_remote_ms`), plus the request's decode
+        steps at the TBT it would see there. A holder never replaces a pick whose KV fits
+        when its own does not, nor one within the TBT objective when its own TBT is over it
+        and worse: locality only outweighs small differences of load, and the verdict is
+        judged on the final pick as ever."""
         masks = [d.local_mask for d in decodes]
         if not any(masks):
             return di
@@ -304,7 +316,8 @@ class Scheduler:
         def cost(j: int) -> tuple[float, float, bool]:
             tbt, fits = self._predict(decodes[j], need, arrive_ms)
             near = self._tokens(min(held.local_blocks[j], reuse), prompt)
-            return self.model.transfer_ms("pool", cached - near) + steps * tbt, tbt, fits
+            load = self.model.transfer_ms("local", near) + self._remote_ms(cached - near)
+            return load + steps * tbt, tbt, fits
 
         best = di
         best_ms, tbt0, fits0 = cost(di)
@@ -315,8 +328,8 @@ class Scheduler:
             ms, tbt, fits = cost(j)
             if (fits0 and not fits) or (tbt > limit and tbt > tbt0):
                 continue
-            if ms < best_ms:
-                best, best_ms = j, ms
+            if ms < best_ms or (ms == best_ms and held.local_blocks[j] > held.local_blocks[best]):
+                best, best_ms = j, ms  # a tie goes to the holder: less over the network
         return best
 
     def _tbt_limit(self, priority: str) -> float:

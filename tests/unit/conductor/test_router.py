@@ -12,8 +12,15 @@ import asyncio
 import grpc
 import pytest
 
+from mooncake_k8s.common.blocks import block_keys
+from mooncake_k8s.common.netutil import local_host_id
 from mooncake_k8s.common.rpc import serving_pb2 as pb
-from mooncake_k8s.conductor.sched.admission import SLO, AdmissionConfig, Overloaded
+from mooncake_k8s.conductor.sched.admission import (
+    SLO,
+    AdmissionConfig,
+    DecodeLedger,
+    Overloaded,
+)
 from mooncake_k8s.conductor.sched.costmodel import BUILTIN_CPU_PROFILE, load
 from mooncake_k8s.conductor.sched.kvindex import KVIndex
 from mooncake_k8s.conductor.sched.scheduler import Scheduler, SchedulerConfig
@@ -25,6 +32,9 @@ from mooncake_k8s.conductor.serving.router import (
     namespace_of,
     with_pairing,
 )
+from mooncake_k8s.store.client import StoreClient
+from mooncake_k8s.store.node.server import NodeConfig, StorageNode
+from mooncake_k8s.store.testing import StoreCluster, store_cluster
 
 TOKENS = list(range(1, 41))
 
@@ -87,3 +97,82 @@ def test_pairing_copies_the_plan() -> None:
     paired = with_pairing(plan, "127.0.0.1:7", 9)
     assert (paired.bootstrap_addr, paired.bootstrap_room) == ("127.0.0.1:7", 9)
     assert paired.block_keys == plan.block_keys and not plan.bootstrap_addr
+
+
+# -- locality per host, learnt from a real store ---------------------------------------------
+
+HERE = local_host_id()
+
+
+def _far_node(cluster: StoreCluster, node_id: str, host_id: str) -> StorageNode:
+    """A storage node in this process that says it is on another host (the store trusts a
+    node's host id; on loopback that is the only way to have two hosts)."""
+    node = StorageNode(NodeConfig(master=cluster.master_address, node_id=node_id,
+                                  token=cluster.token, dram_size=8 << 20, host_id=host_id))
+    node.start()
+    assert node.wait_registered(30)
+    return node
+
+
+def _hold(router: MooncakeRouter, inst: Instance, segment: str) -> int:
+    """The prompt's full blocks, as the store's events would put them in `segment`."""
+    keys = block_keys(namespace_of(inst, "t"), TOKENS)
+    bit = router.index.segment(segment)
+    for k in keys:
+        router.index.add(k, bit)
+    return len(keys)
+
+
+def test_an_instances_local_kv_is_every_segment_on_its_host() -> None:
+    with store_cluster(nodes=0, dram_size="8MiB") as cluster:
+        cluster.start_node("n0", "8MiB")  # this host
+        far = _far_node(cluster, "far", "host-far")
+        try:
+            with cluster.client() as store:
+                _check_host_masks(store)
+        finally:
+            far.stop()
+
+
+def _check_host_masks(store: StoreClient) -> None:
+    router = MooncakeRouter(Scheduler(SchedulerConfig(policy="global_cache_aware"),
+                                      load(BUILTIN_CPU_PROFILE), KVIndex()), store)
+
+    async def run() -> None:
+        here = _inst("prefill", "p-here", "v1", host_id=HERE, local_segment="p-here-seg")
+        there = _inst("prefill", "p-far", "v1", host_id="host-far", local_segment="p-far-seg")
+        d_here = _inst("decode", "d-here", "v1", host_id=HERE, local_segment="n0-dram-0")
+        d_far = _inst("decode", "d-far", "v1", host_id="host-far", local_segment="far-dram-0")
+        own = router.index.mask(["p-here-seg"])
+        assert router.local_mask(HERE, "p-here-seg") == own  # nothing known yet: its own
+        n = _hold(router, here, "n0-dram-0")  # the prefix is on this host, in n0's segment
+        route = await router.route(RouteRequest("r1", TOKENS, "t", 8), [there, here],
+                                   [d_far, d_here])
+        assert router._refresh is not None  # the first decision asked the store (a thread)
+        await router.refresh_hosts()
+        assert {h: sorted(s) for h, s in router.hosts.items()} == {
+            HERE: ["n0-dram-0"], "host-far": ["far-dram-0"]}
+        assert router.local_mask(HERE, "p-here-seg") == own | router.index.mask(["n0-dram-0"])
+        router.scheduler.ledger = DecodeLedger()  # r1's load forgotten: equal loads again
+        route = await router.route(RouteRequest("r2", TOKENS, "t", 8), [there, here],
+                                   [d_far, d_here])
+        assert (route.prefill.instance_id, route.decode.instance_id) == ("p-here", "d-here")
+        plan = route.plan
+        assert (plan.local_blocks, plan.fetch_blocks, plan.keep_fetched) == (n, 0, False)
+        assert (plan.home_segment, plan.write_segment) == ("p-here-seg", "n0-dram-0")
+        # Held only on the far host, whose prefill is busy: this host's prefill fetches it and
+        # keeps what it read (a repeat then stays on this host).
+        router.index.clear()
+        router.scheduler.ledger = DecodeLedger()
+        _hold(router, here, "far-dram-0")
+        busy = _inst("prefill", "p-far", "v1", host_id="host-far", local_segment="p-far-seg",
+                     queued_requests=4, queued_tokens=4000)
+        route = await router.route(RouteRequest("r3", TOKENS, "t", 8), [busy, here],
+                                   [d_far, d_here])
+        plan = route.plan
+        assert route.prefill.instance_id == "p-here"
+        assert (plan.local_blocks, plan.fetch_blocks, plan.keep_fetched) == (0, n, True)
+        assert plan.home_segment == "p-here-seg"
+        assert route.decode.instance_id == "d-far"  # the decode whose host holds the prefix
+
+    asyncio.run(run())
