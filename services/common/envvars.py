@@ -31,6 +31,11 @@ READ_DIRECTLY: tuple[EnvVar, ...] = (
     EnvVar("MOONCAKE_CLUSTER_TOKEN", "services/engine/sglang/server.py",
            "The cluster token (also every command's --token); handed to the SGLang child so "
            "its KV transfer authenticates."),
+    EnvVar("MOONCAKE_KV_LAYERWISE", "services/engine/embedded/structs.py",
+           "Embedded prefill: 1 (default) streams each layer's KV to the store as soon as it "
+           "is computed, overlapping the transfer with the rest of the forward pass; 0 stores "
+           "the blocks after the prefill (the benchmark's baseline). Read when the engine's "
+           "config is built."),
     EnvVar("MOONCAKE_TEST_HANG_ENGINE", "services/common/health.py",
            "Tests only: `prefill` or `decode` makes that worker's calls into its engine block "
            "for good (a hung engine), so tests can see liveness fail. Never set it in a "

@@ -294,15 +294,16 @@ class KVStore(Protocol):
         """How many leading keys are all stored."""
         ...
 
-    def batch_get_into(self, keys: Sequence[str], bufs: Sequence[memoryview]
-                       ) -> list[int | None]:
-        """Read each object into its buffer: the size read, or None for a miss."""
+    def batch_get_into(self, keys: Sequence[str], bufs: Sequence[memoryview], *,
+                       keep_on: str = ...) -> list[int | None]:
+        """Read each object into its buffer: the size read, or None for a miss; objects read
+        from another host are kept on segment `keep_on` too ("" = not kept)."""
         ...
 
     def batch_put(self, keys: Sequence[str], datas: Sequence[bytes | memoryview], *,
-                  placement: str = ..., preferred_segment: str | None = ...
-                  ) -> list[Exception | None]:
-        """Store each object; an error (or None) per key."""
+                  placement: str = ..., preferred_segment: str | None = ...,
+                  segments: Sequence[str] = ...) -> list[Exception | None]:
+        """Store each object; an error (or None) per key. `segments`: a replica on each."""
         ...
 
     def remove(self, keys: Sequence[str], *, force: bool = ...) -> list[bool]: ...

@@ -1,10 +1,8 @@
 """The embedded engine behind the engine seam (`engine.api`): KV through the worker's store
 client, in its process.
 
-Prefill follows the plan: it reads the `reuse_blocks` leading blocks the plan names straight
-into staging memory (no "which exist?" round trip to the master), the engine verifies them and
-recomputes from the first one missing or corrupt, and the new blocks (plus the partial tail,
-which decode needs) go to the plan's write segment.
+Prefill is in `prefill.py` (`EmbeddedPrefill`): it follows the plan, and places and streams
+the KV it computes.
 
 Decode: one engine thread owns the engine and runs the continuous-batching loop; between steps
 it takes in newly loaded sequences and drops cancelled ones, then advances every running
@@ -27,7 +25,7 @@ import numpy as np
 
 from mooncake_k8s.common import tracing
 from mooncake_k8s.common.buffers import byte_view
-from mooncake_k8s.common.errors import MooncakeError, ObjectExists, StoreError
+from mooncake_k8s.common.errors import MooncakeError, StoreError
 from mooncake_k8s.common.rpc import serving_pb2 as pb
 from mooncake_k8s.common.tokenizer_id import tokenizer_fingerprint
 from mooncake_k8s.engine.api import (
@@ -38,15 +36,12 @@ from mooncake_k8s.engine.api import (
     EngineLoad,
     KVMissing,
     KVStore,
-    PrefillDone,
-    PrefillWork,
     TokenOut,
 )
 from mooncake_k8s.engine.embedded.engine import Engine, load_engine
 from mooncake_k8s.engine.embedded.structs import (
     EngineConfig,
     EngineFull,
-    PrefillResult,
     SamplingParams,
 )
 
@@ -90,102 +85,6 @@ class _Embedded:
 
     def counters(self) -> list[EngineCounter]:
         return []
-
-
-class EmbeddedPrefill(_Embedded):
-    """One prefill at a time (the service serialises calls)."""
-
-    def __init__(self, config: EngineConfig, store: KVStore) -> None:
-        super().__init__(config, store)
-        self._staging = np.empty(0, dtype=np.uint8)
-
-    def load(self) -> EngineLoad:
-        return EngineLoad()
-
-    def _staging_views(self, n: int) -> list[memoryview]:
-        """Views over one grow-only buffer: the engine copies imported KV out before returning,
-        so a single prefill at a time can reuse it and never pays for fresh pages."""
-        size = self.block_bytes
-        if self._staging.nbytes < n * size:
-            self._staging = np.empty(n * size, dtype=np.uint8)
-        mv = byte_view(self._staging, writable=True)
-        return [mv[i * size:(i + 1) * size] for i in range(n)]
-
-    def prefill(self, work: PrefillWork) -> PrefillDone:
-        t0 = time.monotonic()
-        plan = work.plan
-        with tracing.span("prefill.load_kv", planned=plan.planned):
-            n = plan.reuse_blocks if plan.planned else self._lookup(list(plan.keys))
-            imported = self._read(list(plan.keys[:n])) if n else []
-        t1 = time.monotonic()
-        with tracing.span("prefill.compute", imported_blocks=len(imported)):
-            res = self.engine.prefill(work.token_ids, imported, sampling_from_pb(work.sampling),
-                                      seq_id=work.request_id)
-        t2 = time.monotonic()
-        with tracing.span("prefill.store_kv", new_blocks=len(res.new_blocks)):
-            stored, tkey = self._store(work, res)
-        return PrefillDone(
-            first_token=res.first_token, text=res.text, finished=res.finished,
-            finish_reason=res.finish_reason or "", cached_tokens=res.cached_tokens,
-            computed_tokens=res.computed_tokens, tail_key=tkey, stored_blocks=stored,
-            imported_blocks=len(imported) - res.rejected_blocks,
-            rejected_blocks=res.rejected_blocks, load_s=t1 - t0, compute_s=t2 - t1,
-            store_s=time.monotonic() - t2,
-        )
-
-    def _lookup(self, keys: list[str]) -> int:
-        """No plan: ask the master how long the stored prefix is."""
-        if not keys:
-            return 0
-        try:
-            return self.store.prefix_len(keys)
-        except StoreError as e:
-            log.warning("prefix lookup failed; computing everything", extra={"error": str(e)})
-            return 0
-
-    def _read(self, keys: list[str]) -> list[memoryview]:
-        """The leading blocks, read straight into staging memory; the first miss ends them."""
-        views = self._staging_views(len(keys))
-        try:
-            sizes = self.store.batch_get_into(keys, views)
-        except StoreError as e:
-            log.warning("reading cached blocks failed; computing everything",
-                        extra={"error": str(e)})
-            return []
-        out: list[memoryview] = []
-        for v, size in zip(views, sizes, strict=True):
-            if size is None:
-                break
-            out.append(v[:size])
-        return out
-
-    def _store(self, work: PrefillWork, res: PrefillResult) -> tuple[int, str]:
-        """Publish the new blocks (and the tail, which decode needs) next to the decode engine.
-
-        A block another prefill stored meanwhile (ObjectExists) is as good as ours: blocks with
-        one key hold identical KV. Anything else means decode could not find the KV, so it fails
-        the request rather than let decode stall.
-        """
-        seg = work.plan.write_segment
-        keys = work.plan.keys
-        items = [(keys[i], data) for i, data in res.new_blocks]
-        tkey = ""
-        if res.tail_block is not None and not res.finished:
-            tkey = tail_key(work.request_id)
-            items.append((tkey, res.tail_block))
-        if not items:
-            return 0, tkey
-        errors = self.store.batch_put(
-            [k for k, _ in items], [d for _, d in items],
-            placement="preferred" if seg else "local_first", preferred_segment=seg or None,
-        )
-        stored = 0
-        for (key, _), err in zip(items, errors, strict=True):
-            if err is None:
-                stored += key != tkey
-            elif not isinstance(err, ObjectExists):
-                raise StoreError(f"storing block {key}: {err}") from err
-        return stored, tkey
 
 
 @dataclass

@@ -22,6 +22,7 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from mooncake_k8s.common.errors import IntegrityError, InvalidArgument
 from mooncake_k8s.engine.embedded import hfmodel
 from mooncake_k8s.engine.embedded.detokenizing import TextStream
 from mooncake_k8s.engine.embedded.kvblocks import BlockCodec
+from mooncake_k8s.engine.embedded.layerexport import LayerExport, LayerSink
 from mooncake_k8s.engine.embedded.sampling import random_seed, sample_batch, sample_one
 from mooncake_k8s.engine.embedded.structs import (
     BatchLoad,
@@ -64,6 +66,10 @@ class _Sequence:
     params: SamplingParams
     seed: int
     stream: TextStream
+
+
+def _after_layer(layers: LayerExport, end: int, layer: int) -> None:
+    layers.after_layer(layer, end)
 
 
 class Engine:
@@ -214,6 +220,7 @@ class Engine:
         seq_id: str = "",
         *,
         export: bool = True,
+        sink: LayerSink | None = None,
     ) -> PrefillResult:
         """Import the leading full blocks' KV, compute the rest, sample the first token.
 
@@ -221,6 +228,9 @@ class Engine:
         numpy or uint8 torch tensors; pinned tensors reach a GPU by DMA). A block that fails
         verification ends the import there: it and the blocks after it are recomputed and
         counted in `rejected_blocks`. `export=False` skips encoding new blocks (no store).
+        `sink`: the new blocks (and the tail) are encoded layer by layer as the forward pass
+        makes each layer final and handed to it (`layerexport`) instead of after the pass;
+        the encodings are the same bytes either way.
         """
         ids = self._check_tokens(token_ids)
         n, bt = ids.numel(), self.block_tokens
@@ -236,24 +246,15 @@ class Engine:
         # doc): a partial chunk's worth of imported blocks is recomputed instead.
         per_chunk = self.chunk_tokens // bt
         used = verified - (verified % per_chunk if verified * bt < n else 0)
-        start = used * bt
-        host_ids = ids
-        ids = ids.to(self.device)
-        hidden: torch.Tensor | None = None
-        for s in range(start, n, self.chunk_tokens):
-            hidden = self.model.prefill_chunk(ids[s : min(n, s + self.chunk_tokens)], s, kv)
-        if n % bt == 0:  # logits from a one-token pass, exactly as a full hit computes them
-            keep = kv[:, :, :, n - 1].clone()
-            logits = self.model.forward_single(int(host_ids[-1]), n - 1, kv)
-            kv[:, :, :, n - 1].copy_(keep)
-        else:
-            assert hidden is not None
-            logits = self.model.logits(hidden)
-        cached = min(start, n - 1)
+        layers = None
+        if export and sink is not None and (full > used or n % bt):
+            layers = LayerExport(kv, self.layout, bt, used, n, sink)
+        logits = self._forward(ids, used * bt, kv, layers)
+        cached = min(used * bt, n - 1)
         params = sampling
         seed = params.seed if params.seed is not None else random_seed()
         token = sample_one(logits[0], params, seed, n)
-        stream = TextStream(self.tokenizer, host_ids.tolist(), params.stop)
+        stream = TextStream(self.tokenizer, ids.tolist(), params.stop)
         text, reason = self._finish(token, stream, 1, self._max_new(n, params), params)
         result = PrefillResult(
             first_token=token,
@@ -264,12 +265,36 @@ class Engine:
             computed_tokens=n - cached,
             rejected_blocks=len(imported) - verified,
         )
-        if export:
+        if layers is not None:
+            blocks, tail = layers.finish()
+            result.new_blocks = list(zip(range(used, full), blocks, strict=True))
+            result.tail_block = tail
+        elif export:
             encoded = self.codec.export_range(kv, used, full - used)
             result.new_blocks = list(zip(range(used, full), encoded, strict=True))
             if n % bt:
                 result.tail_block = self.codec.export(kv, full * bt, n)
         return result
+
+    def _forward(
+        self, ids: torch.Tensor, start: int, kv: torch.Tensor, layers: LayerExport | None
+    ) -> torch.Tensor:
+        """Compute positions [start, n) in chunks into kv; the first token's logits."""
+        n = ids.numel()
+        host_last = int(ids[-1])
+        ids = ids.to(self.device)
+        hidden: torch.Tensor | None = None
+        for s in range(start, n, self.chunk_tokens):
+            e = min(n, s + self.chunk_tokens)
+            hook = None if layers is None else partial(_after_layer, layers, e)
+            hidden = self.model.prefill_chunk(ids[s:e], s, kv, hook)
+        if n % self.block_tokens == 0:  # logits from a one-token pass, as a full hit does
+            keep = kv[:, :, :, n - 1].clone()
+            logits = self.model.forward_single(host_last, n - 1, kv)
+            kv[:, :, :, n - 1].copy_(keep)
+            return logits
+        assert hidden is not None
+        return self.model.logits(hidden)
 
     def _import(self, kv: torch.Tensor, blocks: Sequence[Any], seq_id: str) -> int:
         """Copy verified blocks into kv; returns how many leading blocks were usable."""

@@ -1,5 +1,5 @@
-"""The `embedded` engine kind: our PyTorch engine in the worker's process (`adapter.py`).
-Its settings are its `EngineConfig`, which extends the shared `ModelConfig`."""
+"""The `embedded` engine kind: our PyTorch engine in the worker's process (`prefill.py`,
+`adapter.py`). Its settings are its `EngineConfig`, which extends the shared `ModelConfig`."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class EmbeddedKind(EngineKind):
 
     @classmethod
     def open_prefill(cls, ctx: EngineContext) -> PrefillEngine:
-        from mooncake_k8s.engine.embedded.adapter import EmbeddedPrefill
+        from mooncake_k8s.engine.embedded.prefill import EmbeddedPrefill
 
         return EmbeddedPrefill(engine_config(ctx.model), ctx.store)
 

@@ -8,6 +8,7 @@ construction, so a bad request fails with a specific `InvalidArgument` before an
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 from mooncake_k8s.common.errors import InvalidArgument, MooncakeError
@@ -23,6 +24,18 @@ class EngineFull(MooncakeError):
 
     Retryable once running sequences finish; the decode service maps it to RESOURCE_EXHAUSTED.
     """
+
+
+LAYERWISE_ENV = "MOONCAKE_KV_LAYERWISE"
+
+
+def layerwise_from_env() -> bool:
+    """MOONCAKE_KV_LAYERWISE: 1 (default) streams prefill KV layer by layer, 0 stores it after
+    the prefill (the benchmark's baseline). Anything else is an error naming the variable."""
+    raw = os.environ.get(LAYERWISE_ENV, "").strip() or "1"
+    if raw not in ("0", "1"):
+        raise InvalidArgument(f"{LAYERWISE_ENV} must be 0 or 1, not {raw!r}")
+    return raw == "1"
 
 
 @dataclass(frozen=True)
@@ -50,6 +63,10 @@ class EngineConfig(ModelConfig):
     verify_threads: int | None = None
     """Threads checksumming imported blocks; None = 1 on CPU, up to 8 on CUDA hosts (the
     checksum would otherwise cost more than the host-to-device copy)."""
+    layerwise_kv: bool = field(default_factory=layerwise_from_env)
+    """Prefill sends each layer's KV to the store as soon as it is computed, overlapping the
+    transfer with the rest of the forward pass; False stores the blocks after the prefill.
+    Default from MOONCAKE_KV_LAYERWISE (read when the config is built)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -132,10 +149,10 @@ class PrefillResult:
     computed_tokens: int
     """Prompt tokens whose KV was computed here (the recomputed last token of a full hit
     counts: it is work done)."""
-    new_blocks: list[tuple[int, bytes]] = field(default_factory=list)
+    new_blocks: list[tuple[int, bytes | memoryview]] = field(default_factory=list)
     """(block index, encoded block) for every full block not imported (with a chunk size
     above block_tokens, also verified blocks of a partial chunk, which are recomputed)."""
-    tail_block: bytes | None = None
+    tail_block: bytes | memoryview | None = None
     """Encoded partial block: KV of the prompt tokens after the last full block."""
     rejected_blocks: int = 0
     """Imported blocks not used because verification failed at or before them."""

@@ -165,10 +165,13 @@ class Transformer:
     # -- prefill ------------------------------------------------------------------------
 
     def prefill_chunk(
-        self, token_ids: torch.Tensor, start: int, kv: torch.Tensor
+        self, token_ids: torch.Tensor, start: int, kv: torch.Tensor,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Run tokens at positions [start, start+n) of one sequence whose KV for [0, start) is
         already in `kv`; write their KV into `kv` and return the last token's hidden state.
+        `on_layer(i)` is called as soon as layer i's KV of these tokens is in `kv` (final:
+        nothing writes it again), so a caller can ship it while later layers compute.
 
         Determinism: every output depends on the shapes of the GEMMs and of the attention
         call (CPU and GPU kernels pick different reduction orders for different M). Callers
@@ -184,6 +187,8 @@ class Transformer:
             q, k, v = self._qkv(layer, x, cos, sin)
             kv[i, 0, :, start:end].copy_(k.transpose(0, 1))
             kv[i, 1, :, start:end].copy_(v.transpose(0, 1))
+            if on_layer is not None:
+                on_layer(i)
             keys, values = kv[i, 0, None, :, :end], kv[i, 1, None, :, :end]
             o: torch.Tensor | None = None
             if self._fused is not None and n > 1:

@@ -142,7 +142,7 @@ def test_bad_block_is_rejected_and_recomputed(fresh: Engine, kind: str) -> None:
     engine = fresh
     ids = prompt(engine, 300, variant=1)
     cold = engine.prefill(ids, [], GREEDY)
-    blocks = [b for _, b in cold.new_blocks]
+    blocks = [bytes(b) for _, b in cold.new_blocks]
     assert len(blocks) == 4
     poison_scratch(engine)
     imported = [blocks[0], _corrupt(kind, blocks, engine), blocks[2], blocks[3]]

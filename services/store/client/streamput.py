@@ -1,0 +1,280 @@
+"""Puts whose bytes arrive in pieces while they are being computed (layer-wise KV streaming).
+
+A prefill knows which blocks it will store before it computes them, and each layer of a block
+is one contiguous byte range of the block's encoding (header + `[layer, k|v, head, token, d]`).
+`StreamPut` leases the space for all of them up front (space leases naming the destination
+segments, as `spacewriter` does for whole puts), and a background sender writes each range
+to every replica as soon as the caller says it is final (`ready`): a same-host replica is a
+shared-memory copy, another host's goes over TCP, and both overlap the caller's next layer.
+Once every byte is sent (the block headers last: they hold the payload's checksum), `finish`
+checksums each object over its full bytes (xxh3-64, what the store verifies on every read)
+and publishes them all with one `PutCommit` per lease.
+
+Nothing here is allowed to lose or corrupt a put: an object is visible only once committed
+with the checksum of the bytes written. Any failure (no lease, a node gone mid-stream, a lease
+lost to a master restart or its expiry) leaves the failed objects uncommitted and reports them;
+the caller then puts them the plain way (`StoreClient.batch_put`). Leased space that was not
+committed is released (or lapses at the lease's ttl).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mooncake_k8s.common.buffers import byte_view
+from mooncake_k8s.common.checksum import checksum
+from mooncake_k8s.common.errors import (
+    InvalidArgument,
+    ObjectExists,
+    StoreError,
+    TransferError,
+)
+from mooncake_k8s.common.rpc import store_pb2 as pb
+from mooncake_k8s.store.client.client import _PLACEMENTS, StoreClient
+from mooncake_k8s.store.wire import code_error, located
+from mooncake_k8s.transfer import Peer, WriteOp
+
+log = logging.getLogger(__name__)
+
+LEASE_MAX = 32 << 20
+"""Objects are packed into extents of at most this many bytes (a single larger object gets
+one of its own): a long prompt's KV then needs no single huge free range on a segment."""
+_KEEPALIVE_SHARE = 0.3
+"""An empty PutCommit renews each lease after this share of its ttl: a long prefill (many
+seconds on a CPU) never outlives its space."""
+
+
+class StreamFailed(StoreError):
+    """The stream could not store this object; put it the plain way."""
+
+
+@dataclass
+class _Lease:
+    segments: tuple[str, ...]
+    objects: list[int]  # object indexes, in offset order
+    size: int = 0
+    lease_id: int = 0
+    replicas: tuple[tuple[Peer, Any, int], ...] = ()  # (peer, segment desc, extent start)
+    ttl_s: float = 0.0
+    touched: float = 0.0
+    offsets: dict[int, int] = field(default_factory=dict)
+
+
+_STOP = None
+
+
+class StreamPut:
+    """One streamed put of `keys` (their final bytes will be `views`, filled by the caller in
+    any order). `segments[i]` names the segments object i gets a replica on (one on each, as
+    `batch_put(segments=...)`; empty = the client's placement). Use: `ready(i, start, end)` as
+    ranges become final (each byte once, any order), then `finish()`; or `abort()`."""
+
+    def __init__(
+        self,
+        client: StoreClient,
+        keys: Sequence[str],
+        views: Sequence[Any],
+        segments: Sequence[Sequence[str]],
+        *,
+        placement: str = "local_first",
+        preferred_segment: str = "",
+    ) -> None:
+        if not len(keys) == len(views) == len(segments):
+            raise InvalidArgument("keys, views and segments differ in length")
+        if placement not in _PLACEMENTS:
+            raise InvalidArgument(f"placement must be one of {sorted(_PLACEMENTS)}")
+        self._client = client
+        self.keys = list(keys)
+        self.views = [byte_view(v) for v in views]
+        if any(len(v) == 0 for v in self.views):
+            raise InvalidArgument("the store keeps objects of >= 1 byte")
+        self._placement = _PLACEMENTS[placement]
+        self._preferred = preferred_segment
+        self._leases = self._pack([tuple(dict.fromkeys(s for s in seg if s))
+                                   for seg in segments])
+        self._where: dict[int, _Lease] = {i: ls for ls in self._leases for i in ls.objects}
+        self._queue: queue.SimpleQueue[tuple[int, int, int, Any] | None] = queue.SimpleQueue()
+        self.error: Exception | None = None
+        self._sent = [0] * len(self.keys)
+        """Bytes of each object written to every replica (ranges never overlap)."""
+        self._thread = threading.Thread(target=self._run, name="kv-stream", daemon=True)
+        self._thread.start()
+
+    def _pack(self, segs: list[tuple[str, ...]]) -> list[_Lease]:
+        """Objects grouped by their segments, in extents of at most LEASE_MAX bytes."""
+        leases: list[_Lease] = []
+        open_: dict[tuple[str, ...], _Lease] = {}
+        for i, seg in enumerate(segs):
+            n = _align(len(self.views[i]))
+            cur = open_.get(seg)
+            if cur is None or (cur.size and cur.size + n > LEASE_MAX):
+                cur = _Lease(seg, [])
+                open_[seg] = cur
+                leases.append(cur)
+            cur.offsets[i] = cur.size
+            cur.objects.append(i)
+            cur.size += n
+        return leases
+
+    # -- the caller's side -------------------------------------------------------------------
+
+    def ready(self, index: int, start: int, end: int, event: Any = None) -> None:
+        """Bytes [start, end) of object `index` are final in its view (or will be once
+        `event`, a CUDA event, completes): send them."""
+        if not 0 <= start < end <= len(self.views[index]):
+            raise InvalidArgument(f"range [{start}, {end}) outside object {index}")
+        self._queue.put((index, start, end, event))
+
+    def finish(self, skip: Sequence[int] = ()) -> list[Exception | None]:
+        """Publish every object but those in `skip` (their space is released): a result per
+        object, None for committed, ObjectExists when it was stored already, StreamFailed
+        when the caller must put it the plain way (so are `skip`ped ones, and any object
+        whose bytes were not all made `ready`: it is never committed half-written)."""
+        self._queue.put(_STOP)
+        self._thread.join()
+        if self.error is not None:
+            self._release_all()
+            return [StreamFailed(f"streaming failed: {self.error}")] * len(self.keys)
+        results: list[Exception | None] = [StreamFailed("skipped")] * len(self.keys)
+        skipped = set(skip)
+        for i, got in enumerate(self._sent):
+            if got != len(self.views[i]) and i not in skipped:
+                skipped.add(i)
+                results[i] = StreamFailed(f"{got} of {len(self.views[i])} bytes streamed")
+        for lease in self._leases:
+            self._commit(lease, skipped, results)
+        return results
+
+    def abort(self) -> None:
+        """Give up: nothing is committed and the leased space is released."""
+        self.error = self.error or StreamFailed("aborted")
+        self._queue.put(_STOP)
+        self._thread.join()
+        self._release_all()
+
+    # -- the sender thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            for lease in self._leases:
+                self._lease(lease)
+        except Exception as e:  # no space, no master, bad segment: the plain path decides
+            self.error = e
+        while True:
+            timeout = self._next_keepalive()
+            try:
+                item = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                self._keepalive()
+                continue
+            batch = [item]
+            while item is not _STOP and not self._queue.empty():
+                item = self._queue.get()
+                batch.append(item)
+            if self.error is None:
+                self._send([b for b in batch if b is not None])
+            if batch[-1] is _STOP:
+                return
+            if self.error is None and (self._next_keepalive() or 0.0) <= 0:
+                self._keepalive()
+
+    def _next_keepalive(self) -> float | None:
+        if self.error is not None or not self._leases:
+            return None
+        due = min(ls.touched + _KEEPALIVE_SHARE * ls.ttl_s for ls in self._leases)
+        return max(0.0, due - time.monotonic())
+
+    def _keepalive(self) -> None:
+        now = time.monotonic()
+        for lease in self._leases:
+            if now >= lease.touched + _KEEPALIVE_SHARE * lease.ttl_s:
+                try:
+                    self._client._call("PutCommit", pb.PutCommitRequest(lease_id=lease.lease_id))
+                except StoreError as e:
+                    self.error = e
+                    return
+                lease.touched = now
+
+    def _lease(self, lease: _Lease) -> None:
+        c = self._client
+        replicas = max(c.replicas, len(lease.segments), 1)
+        preferred = self._preferred or (lease.segments[-1] if lease.segments else "")
+        placement = pb.PREFERRED if preferred else self._placement
+        sent = time.monotonic()
+        resp = c._call("SpaceLease", pb.SpaceLeaseRequest(
+            size=lease.size, min_size=lease.size, replicas=replicas, placement=placement,
+            preferred_segment=preferred, client_host_id=c._host_id,
+            segments=list(lease.segments),
+        ))
+        if resp.size < lease.size:
+            raise StoreError(f"leased {resp.size} bytes, {lease.size} needed")
+        if (resp.align or 64) > 64:  # our offsets assume the master's 64-byte alignment
+            raise StoreError(f"space lease alignment {resp.align} is not supported")
+        lease.lease_id = resp.lease_id
+        lease.replicas = tuple(located(r) for r in resp.replicas)
+        lease.ttl_s = resp.ttl_ms / 1000.0
+        lease.touched = sent
+
+    def _send(self, items: list[tuple[int, int, int, Any]]) -> None:
+        """Write every range to every replica of its object: one transfer call per peer."""
+        for _, _, _, event in items:
+            if event is not None:
+                event.synchronize()
+        by_peer: dict[str, tuple[Peer, list[WriteOp]]] = {}
+        for i, start, end, _ in items:
+            lease = self._where[i]
+            off = lease.offsets[i] + start
+            src = self.views[i][start:end]
+            for peer, desc, base in lease.replicas:
+                by_peer.setdefault(peer.address, (peer, []))[1].append(
+                    WriteOp(desc, base + off, src))
+        for peer, ops in by_peer.values():
+            try:
+                self._client.engine.write(peer, ops)
+            except TransferError as e:
+                self._client._failed(peer)
+                self.error = e
+                return
+        for i, start, end, _ in items:
+            self._sent[i] += end - start
+
+    # -- finishing ----------------------------------------------------------------------------
+
+    def _commit(self, lease: _Lease, skipped: set[int], results: list[Exception | None]) -> None:
+        items = [i for i in lease.objects if i not in skipped]
+        req = pb.PutCommitRequest(lease_id=lease.lease_id, release=True, items=[
+            pb.CommitItem(key=self.keys[i], offset=lease.offsets[i], size=len(self.views[i]),
+                          checksum=checksum(self.views[i])) for i in items])
+        try:
+            resp = self._client._call("PutCommit", req)
+        except StoreError as e:
+            for i in items:
+                results[i] = StreamFailed(f"publishing {self.keys[i]!r}: {e}")
+            return
+        for i, msg, code in zip(items, resp.errors, resp.codes, strict=False):
+            if code == pb.ERROR_NONE and not msg:
+                results[i] = None
+            elif code == pb.ERROR_EXISTS:
+                results[i] = ObjectExists(f"object {self.keys[i]!r} exists")
+            else:
+                err = code_error(code, f"put {self.keys[i]!r}: {msg}")
+                results[i] = StreamFailed(str(err))
+
+    def _release_all(self) -> None:
+        for lease in self._leases:
+            if lease.lease_id:
+                with contextlib.suppress(StoreError):
+                    self._client._call("SpaceRelease",
+                                       pb.SpaceReleaseRequest(lease_id=lease.lease_id))
+                lease.lease_id = 0
+
+
+def _align(n: int, a: int = 64) -> int:
+    return (n + a - 1) // a * a
