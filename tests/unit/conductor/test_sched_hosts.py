@@ -99,10 +99,13 @@ def test_the_prefill_whose_host_holds_the_prefix_is_preferred(gbps: float) -> No
     assert s.decide(Demand(keys(prompt // BT), prompt, 8), pv, [DecodeView(0)], 0.0).prefill == 0
 
 
-def _decodes(ix: KVIndex, **load_b: int) -> list[DecodeView]:
-    """d0 on host A (listed first: the load-based tie-break's pick), d1 on host B."""
+def _decodes(ix: KVIndex, running: int = 0, kv_used_tokens: int = 0,
+             kv_capacity_tokens: int = 0) -> list[DecodeView]:
+    """d0 on host A (listed first: the load-based tie-break's pick), d1 on host B with the
+    load given."""
     return [DecodeView(0, local_mask=ix.mask(["dec-a"])),
-            DecodeView(1, local_mask=ix.mask(["dec-b"]), **load_b)]
+            DecodeView(1, running, kv_used_tokens, kv_capacity_tokens,
+                       local_mask=ix.mask(["dec-b"]))]
 
 
 @pytest.mark.parametrize("gbps", [MBIT100, GBIT10], ids=["100mbit", "10gbit"])
