@@ -42,6 +42,11 @@ class UpConfig:
     decode: int = 1
     store_size: int = 1 << 30
     decode_segment_size: int = 256 << 20
+    prefill_segment_size: int = 256 << 20
+    """DRAM each prefill instance serves to the store (`--local-segment-size`): where it keeps
+    the prefixes it computed. Smaller than `mooncake prefill`'s default: here every process
+    shares one host (and CI's memory), so a prefill segment saves no network, only keeps the
+    copy the placement design gives it. 0 = none."""
     store_replicas: int = 2
     """Copies of each KV block prefill writes (`--store-replicas`): the first in the decode
     instance's own segment, the second on another node, so a decode that dies mid-stream is
@@ -170,7 +175,8 @@ class LocalCluster:
                     args += ["--local-segment-size", str(c.decode_segment_size)]
                     self.decode_ports.append(port)
                 else:
-                    args += ["--store-replicas", str(c.store_replicas)]
+                    args += ["--store-replicas", str(c.store_replicas),
+                             "--local-segment-size", str(c.prefill_segment_size)]
                     self.prefill_ports.append(port)
                 self._spawn(f"{role}-{i}", args, hport)
         # Its /metrics also on the API port (loopback by default): `bench/serve` scrapes there.

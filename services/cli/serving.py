@@ -136,6 +136,34 @@ def _engine_checks(kind: str) -> tuple[str | None, tuple[str, ...]]:
     return k.missing(), k.owned_flags
 
 
+#: A decode segment holds the KV prefill hands each running request (request-scoped, freed as
+#: requests end) and the hot blocks it keeps.
+DECODE_SEGMENT_SIZE = "256MiB"
+#: A prefill segment holds the prefixes this instance computed, for reuse on its host: a
+#: 3K-token prompt of the built-in model is ~135 MB of KV (fp32), so this keeps three whole
+#: prompts besides the write buffers (the store evicts the oldest at its watermark). Like a
+#: storage node's, the memory is taken at start (prefaulted), so the default stays modest; a
+#: deployment sizes it (the operator's roles.prefill.localSegmentSize).
+PREFILL_SEGMENT_SIZE = "512MiB"
+MIN_SEGMENT_SIZE = 1 << 20
+
+
+def _segment_size(ctx: click.Context, param: click.Parameter, value: int) -> int:
+    if 0 < value < MIN_SEGMENT_SIZE:  # a storage node refuses less, too
+        raise click.BadParameter(f"{value} bytes: 0 (no segment) or at least 1MiB")
+    return value
+
+
+def _segment_opt(default: str) -> Callable[[_F], _F]:
+    """`--local-segment-size`: the DRAM a worker serves to the store on its own host."""
+    return click.option(
+        "--local-segment-size", envvar="MOONCAKE_LOCAL_SEGMENT_SIZE", default=default,
+        show_default=True, show_envvar=True, type=SIZE, callback=_segment_size,
+        help="DRAM this instance serves to the KV store on its host: prefill keeps the "
+             "prefixes it computed there, decode the KV prefill hands it, so neither crosses "
+             "the network again (0 = none).")
+
+
 def _worker(role: str, o: dict[str, Any], **extra: Any) -> None:
     o["host"] = _check_bind(o["host"], o["allow_any_address"])
     kind = o["engine_kind"]
@@ -206,14 +234,15 @@ def _worker(role: str, o: dict[str, Any], **extra: Any) -> None:
               show_envvar=True, type=click.IntRange(0, 65535))
 @_apply(_worker_opts)
 @_apply(_model_opts)
+@_segment_opt(PREFILL_SEGMENT_SIZE)
 @_token_opt
 @_with_logs
 @click.option("--sglang-bootstrap-port", "bootstrap_port", envvar="MOONCAKE_SGLANG_BOOTSTRAP_PORT",
               default=0, show_default=True, show_envvar=True, type=click.IntRange(0, 65535),
               help="SGLang: port of the PD bootstrap server decode instances meet (0 = any).")
-def prefill(bootstrap_port: int, **o: Any) -> None:
+def prefill(bootstrap_port: int, local_segment_size: int, **o: Any) -> None:
     """Run a prefill worker: computes prompts' KV (reusing cached blocks) and the first token."""
-    _worker("prefill", o, bootstrap_port=bootstrap_port)
+    _worker("prefill", o, bootstrap_port=bootstrap_port, local_segment_size=local_segment_size)
 
 
 @click.command("decode")
@@ -222,10 +251,7 @@ def prefill(bootstrap_port: int, **o: Any) -> None:
               show_envvar=True, type=click.IntRange(0, 65535))
 @_apply(_worker_opts)
 @_apply(_model_opts)
-@click.option("--local-segment-size", envvar="MOONCAKE_LOCAL_SEGMENT_SIZE", default="256MiB",
-              show_default=True, show_envvar=True, type=SIZE,
-              help="DRAM this instance serves to the store so prefill writes KV next to it "
-                   "(0 = none).")
+@_segment_opt(DECODE_SEGMENT_SIZE)
 @_token_opt
 @_with_logs
 def decode(local_segment_size: int, **o: Any) -> None:

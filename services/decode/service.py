@@ -5,9 +5,10 @@ The engine (any kind, `engine.api`) loads the prompt's blocks by the keys of the
 only when the plan's namespace is not this engine's) and streams the tokens after the first; a
 client that goes away cancels its sequence.
 
-With `local_segment_size` the decode process also serves a DRAM segment to the store (like a
-storage node living beside the engine); prefill writes a request's blocks there, so the KV this
-instance reads is usually a local shared-memory copy.
+With `local_segment_size` the decode process also serves a DRAM segment to the store
+(`worker.base`); prefill writes a request's blocks there, so the KV this instance reads is
+usually a local shared-memory copy, and a block it had to read from another host is kept there
+when the plan says `keep_fetched` (hot-block replication).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
@@ -29,9 +30,6 @@ from mooncake_k8s.common.rpc import serving_pb2_grpc as pb_grpc
 from mooncake_k8s.common.serving_rpc import servicer_handler
 from mooncake_k8s.engine.api import DecodeWork, EngineFailed, KVMissing, resolve_plan
 from mooncake_k8s.worker.base import DecodeWorker, WorkerConfig, run_worker
-
-if TYPE_CHECKING:
-    from mooncake_k8s.store.local import LocalSegment
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +54,6 @@ class DecodeService(DecodeWorker):
 
     def __init__(self, config: WorkerConfig) -> None:
         super().__init__(config)
-        self._segment: LocalSegment | None = None
-        self.local_segment = ""
         r = self.registry
         self.m_requests = Counter("mooncake_decode_requests_total", "Decode requests",
                                   ["result"], registry=r)
@@ -76,35 +72,11 @@ class DecodeService(DecodeWorker):
                                "Conductor plans: followed, or not trusted (keys recomputed)",
                                ["outcome"], registry=r)
 
-    def start(self) -> None:
-        cfg = self.config
-        if cfg.local_segment_size > 0:
-            from mooncake_k8s.store.local import LocalSegment, LocalSegmentConfig
-
-            # The segment's name is a host-wide shared-memory file name: two clusters on one
-            # host (both with a "decode-0") must not map each other's segment. The gRPC port
-            # is unique on the host while this runs, and the same after a restart.
-            node_id = f"decode-{cfg.instance_id}" + (f"-{cfg.port}" if cfg.port else "")
-            self._segment = LocalSegment(LocalSegmentConfig(
-                master=cfg.master, owner_id=node_id, size=cfg.local_segment_size,
-                token=cfg.token, host=cfg.host, advertise_host=cfg.advertise_host,
-            ))
-            self._segment.start()
-            self.local_segment = self._segment.name
-        super().start()
-
-    def not_ready(self) -> str | None:
-        reason = super().not_ready()
-        if reason is None and self._segment is not None and not self._segment.registered():
-            return "local segment not registered with the store master"
-        return reason
-
     def handlers(self) -> grpc.GenericRpcHandler:  # type: ignore[type-arg]
         return servicer_handler(pb_grpc.add_DecodeServicer_to_server, _Servicer(self))
 
     def report(self) -> pb.LoadReport:
         rep = self.load_report()
-        rep.local_segment = self.local_segment
         if self.engine is not None:
             load = self.engine.load()
             rep.running = load.running + load.waiting
@@ -118,11 +90,6 @@ class DecodeService(DecodeWorker):
                 self.m_step.observe(secs)
         return rep
 
-    def stop(self) -> None:
-        super().stop()
-        if self._segment is not None:
-            self._segment.stop()
-
     # -- the RPC ---------------------------------------------------------------------------
 
     def _work(self, req: pb.DecodeRequest) -> DecodeWork:
@@ -134,7 +101,8 @@ class DecodeService(DecodeWorker):
             self.m_plans.labels("followed" if trusted else "untrusted").inc()
         return DecodeWork(req.request_id, tokens, req.tenant, req.first_token, req.sampling,
                           list(plan.keys), req.tail_key, dict(req.trace_context),
-                          plan.bootstrap_addr, plan.bootstrap_room)
+                          plan.bootstrap_addr, plan.bootstrap_room,
+                          keep_on=self.local_segment if plan.keep_fetched else "")
 
     def decode(self, req: pb.DecodeRequest, ctx: grpc.ServicerContext) -> Iterator[pb.DecodeChunk]:
         engine = self.admit(ctx)

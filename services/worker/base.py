@@ -1,6 +1,14 @@
 """What the prefill and decode workers share: config, engine start-up, gRPC and health servers,
-load reports and graceful drain. The engine itself sits behind the engine seam (`engine.api`),
+load reports, graceful drain, and the DRAM segment a worker serves to the store on its own
+host. The engine itself sits behind the engine seam (`engine.api`),
 of the kind the registry (`engine.registry`) names; the worker imports nothing else of it.
+
+With `local_segment_size` a worker (prefill or decode) also serves a DRAM segment of the pool
+from its own process, like a storage node living beside the engine: decode's is where prefill
+writes a request's blocks (the plan's `write_segment`), prefill's is where it keeps what it
+computed (the plan's `home_segment`), so a repeat on this host reads shared memory instead of
+crossing the network. Both report it (`LoadReport.local_segment`) with the host id that tells
+the Conductor which other segments share the host (`LoadReport.host_id`).
 
 The engine loads in the background so `/healthz` answers at once and `/readyz` turns 200 only
 when the model is in memory; a pod is never routed to before it can serve. On SIGTERM a worker
@@ -18,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Generic
+from typing import TYPE_CHECKING, Any, Generic
 
 import grpc
 from prometheus_client import CollectorRegistry, Gauge
@@ -43,7 +51,11 @@ from mooncake_k8s.engine.registry import engine_kind
 from mooncake_k8s.store.client import StoreClient
 from mooncake_k8s.transfer.rdma import RdmaInfoCollector
 
+if TYPE_CHECKING:
+    from mooncake_k8s.store.local import LocalSegment
+
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class WorkerConfig:
@@ -64,7 +76,7 @@ class WorkerConfig:
     workers: int = 32
     drain_timeout_s: float = 30.0
     local_segment_size: int = 0
-    """Decode only: bytes of DRAM served to the store beside the engine (0 = none)."""
+    """Bytes of DRAM this worker serves to the store on its host (0 = none)."""
     transport: str = "auto"
     engine_kind: str = "embedded"
     """A name in `engine.registry`."""
@@ -102,6 +114,9 @@ class Worker(Generic[E]):
         self._health: HealthServer | None = None
         self.port = 0
         self.metrics_port: int | None = None
+        self._segment: LocalSegment | None = None
+        self.local_segment = ""
+        """The pool segment this worker serves ("" = none): its name once started."""
         self._ready_gauge = Gauge(
             "mooncake_worker_ready", "1 when the worker serves requests", ["role"],
             registry=self.registry,
@@ -138,6 +153,7 @@ class Worker(Generic[E]):
             self.role, cfg.host, cfg.port, cfg.token, cfg.workers, self.handlers()
         )
         self._server = server
+        self._start_segment()
         if cfg.metrics_port is not None and cfg.metrics_port >= 0:
             self._health = HealthServer(
                 self.registry, cfg.metrics_host or cfg.host, cfg.metrics_port, self.not_ready,
@@ -145,6 +161,32 @@ class Worker(Generic[E]):
             ).start()
             self.metrics_port = self._health.port
         threading.Thread(target=self._load_engine, name="engine-load", daemon=True).start()
+
+    def _start_segment(self) -> None:
+        """Serve the worker's DRAM segment (after the gRPC port is bound: a bad --host is
+        refused there first, and the port names the segment)."""
+        cfg = self.config
+        if cfg.local_segment_size <= 0:
+            return
+        from mooncake_k8s.store.local import LocalSegment, LocalSegmentConfig
+
+        # The node id is unique in the cluster (role and instance) and on the host (the gRPC
+        # port, held while this runs; the same after a restart when --port is fixed), so two
+        # clusters on one host, both with a "decode-0", never register each other's segment.
+        node_id = f"{self.role}-{cfg.instance_id}-{self.port}"
+        self._segment = LocalSegment(LocalSegmentConfig(
+            master=cfg.master, owner_id=node_id, size=cfg.local_segment_size,
+            token=cfg.token, host=cfg.host, advertise_host=cfg.advertise_host,
+        ))
+        self._segment.start()
+        self.local_segment = self._segment.name
+
+    @property
+    def host_id(self) -> str:
+        """This host's shared-memory domain as the store sees it: the id the transfer engine
+        and the local segment register with, so the Conductor can tell which segments live on
+        this worker's host."""
+        return self.store.engine.host_id
 
     def _load_engine(self) -> None:
         t0 = time.monotonic()
@@ -169,6 +211,14 @@ class Worker(Generic[E]):
         )
 
     def not_ready(self) -> str | None:
+        """Why the worker is not ready (None: ready): the engine's state, then its segment."""
+        reason = self.engine_state()
+        if reason is None and self._segment is not None and not self._segment.registered():
+            return "local segment not registered with the store master"
+        return reason
+
+    def engine_state(self) -> str | None:
+        """Why the engine cannot take a request (None: it can)."""
         if self.engine_error:
             return f"engine failed: {self.engine_error}"
         if self.engine is None:
@@ -207,6 +257,8 @@ class Worker(Generic[E]):
         if self.engine is not None:
             self.engine.close()
         self.store.close()
+        if self._segment is not None:
+            self._segment.stop()
 
     # -- request accounting ----------------------------------------------------------------
 
@@ -214,7 +266,9 @@ class Worker(Generic[E]):
         """Count a request in, or abort it when the worker cannot take it."""
         if self.draining.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.role} is draining")
-        reason = Worker.not_ready(self)  # the engine's own state, not a role's extra checks
+        # The engine's own state only: a segment between registrations (a master restarting)
+        # costs readiness, not the requests already routed here.
+        reason = self.engine_state()
         if reason is not None:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.role}: {reason}")
         with self._inflight_lock:
@@ -261,6 +315,7 @@ class Worker(Generic[E]):
         report = pb.LoadReport(
             instance_id=self.config.instance_id, role=self.role, revision=self.config.revision,
             ready=self.not_ready() is None, draining=self.draining.is_set(),
+            local_segment=self.local_segment, host_id=self.host_id,
         )
         if e is not None:
             info: EngineInfo = e.info

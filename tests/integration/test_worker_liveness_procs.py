@@ -63,9 +63,7 @@ def _worker(role: str, hang: str) -> tuple[subprocess.Popen[bytes], int, int]:
     # No master is needed: the hang comes before the engine touches the store.
     args = [sys.executable, "-m", "mooncake_k8s.cli", role, "--master", "127.0.0.1:1",
             "--port", str(port), "--metrics-port", str(metrics), "--threads", "1",
-            "--log-format", "text"]
-    if role == "decode":
-        args += ["--local-segment-size", "0"]
+            "--log-format", "text", "--local-segment-size", "0"]  # no master: no segment
     proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return proc, port, metrics
 

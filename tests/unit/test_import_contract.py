@@ -127,7 +127,7 @@ def test_the_checker_sees_the_whole_package_and_every_import_form(view: Path) ->
         "print(json.dumps({'modules': len(g.modules),"
         " 'operator': len([m for m in g.modules if m.startswith('mooncake_k8s.operator.')]),"
         " 'sched': len([m for m in g.modules if m.startswith('mooncake_k8s.conductor.sched.')]),"
-        " 'absolute': e('decode.service', 'store.local'),"
+        " 'absolute': e('worker.base', 'store.local'),"
         " 'sibling': e('transfer.shm', 'transfer.ops'),"
         " 'lazy': e('cli.main', 'store.demo')}))\n")
     proc = subprocess.run([sys.executable, "-c", probe], env=_env(view), capture_output=True,
