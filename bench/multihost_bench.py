@@ -282,7 +282,8 @@ def calibrate_link(b: Bench) -> dict[str, Any] | None:
     `transfer.pool` link (None when it fails: the shipped profile's link is used, and said)."""
     c = b.c
     out = c.log_dir / f"links-{time.monotonic_ns()}.json"
-    args = ["calibrate", "--links-only", "--master", c.master, "--out", str(out)]
+    args = ["calibrate", "--links-only", "--master", c.master, "--out", str(out),
+            "--link-sizes", "256KiB,4MiB,16MiB", "--link-repeats", "2"]
     p = c.hosts["conductor"].spawn([sys.executable, "-m", "mooncake_k8s.cli", *args],
                                    env=_env(c), log=c.log_dir / "calibrate.log")
     try:
