@@ -116,6 +116,16 @@ class CostModel:
     def transfer_ms(self, path: str, tokens: int) -> float:
         return self.link(path).ms(tokens * self.kv_bytes_per_token)
 
+    def remote_ms(self, tokens: int) -> float:
+        """Loading `tokens` of KV held on another host: the pool link, and never less than
+        loading them from this host plus the network's latency. The bytes that cross the
+        network are then loaded as a local hit's are, so a network measured faster than the
+        engine loads (10 Gbit/s against the CPU profile's end-to-end local load) must not
+        make a prefix on another host look as cheap as the same prefix here."""
+        wire = self.transfer_ms("pool", tokens)
+        here = self.transfer_ms("local", tokens)
+        return wire if wire > here or tokens <= 0 else here + self.link("pool").latency_ms
+
     def prefill_ms(self, new: int, cached: int = 0) -> float:
         return self.prefill.ms(new, cached)
 

@@ -168,20 +168,9 @@ class Scheduler:
         c_local = self._tokens(local, prompt)
         c_dram = self._tokens(max(local, match.dram_blocks), prompt)
         c_all = self._tokens(g, prompt)
-        fetched = (m.transfer_ms("local", c_local) + self._remote_ms(c_dram - c_local)
+        fetched = (m.transfer_ms("local", c_local) + m.remote_ms(c_dram - c_local)
                    + m.transfer_ms("ssd", c_all - c_dram) + m.prefill_ms(prompt - c_all, c_all))
         return (fetched, g - local) if fetched < own else (own, 0)
-
-    def _remote_ms(self, tokens: int) -> float:
-        """Loading `tokens` of KV held on another host: the pool link, and never less than
-        loading them from this host plus the network's latency. The bytes that cross the
-        network are then loaded as a local hit's are, so a network measured faster than the
-        engine loads (10 Gbit/s against the CPU profile's end-to-end local load) must not
-        make a prefix on another host look as cheap as the same prefix here."""
-        m = self.model
-        wire = m.transfer_ms("pool", tokens)
-        here = m.transfer_ms("local", tokens)
-        return wire if wire > here or tokens <= 0 else here + m.link("pool").latency_ms
 
     def costs(self, lengths: set[int], match: Match, prompt: int,
               glob: bool) -> dict[int, tuple[float, int]]:
@@ -296,11 +285,11 @@ class Scheduler:
         more of the reused prefix, when that is cheaper for the request as a whole.
 
         Cost of an instance: loading the reused KV, once (what its host holds over the
-        `local` link, the rest from another host, `_remote_ms`), plus the request's decode
-        steps at the TBT it would see there. A holder never replaces a pick whose KV fits
-        when its own does not, nor one within the TBT objective when its own TBT is over it
-        and worse: locality only outweighs small differences of load, and the verdict is
-        judged on the final pick as ever."""
+        `local` link, the rest from another host: `CostModel.remote_ms`), plus the
+        request's decode steps at the TBT it would see there. A holder never replaces a
+        pick whose KV fits when its own does not, nor one within the TBT objective when its
+        own TBT is over it and worse: locality only outweighs small differences of load,
+        and the verdict is judged on the final pick as ever."""
         masks = [d.local_mask for d in decodes]
         if not any(masks):
             return di
@@ -316,7 +305,7 @@ class Scheduler:
         def cost(j: int) -> tuple[float, float, bool]:
             tbt, fits = self._predict(decodes[j], need, arrive_ms)
             near = self._tokens(min(held.local_blocks[j], reuse), prompt)
-            load = self.model.transfer_ms("local", near) + self._remote_ms(cached - near)
+            load = self.model.transfer_ms("local", near) + self.model.remote_ms(cached - near)
             return load + steps * tbt, tbt, fits
 
         best = di

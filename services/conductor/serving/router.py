@@ -127,6 +127,8 @@ class MooncakeRouter:
         self._hosts_seen = 0
         """Segments the index had when the last refresh began."""
         self._refresh: asyncio.Future[None] | None = None
+        self._hosts_failing = False
+        """The last read failed (the next failures are logged at debug level only)."""
 
     def _slot(self, inst: Instance) -> int:
         slot = self._slots.get(inst.address)
@@ -170,9 +172,12 @@ class MooncakeRouter:
         def finish(f: asyncio.Future[list[tuple[str, str]]]) -> None:
             try:
                 self.set_hosts(f.result())
+                self._hosts_failing = False
             except Exception as e:  # a stale map costs locality, never a request
-                log.warning("reading the store's segments failed; keeping the host map",
-                            extra={"error": f"{type(e).__name__}: {e}"})
+                (log.debug if self._hosts_failing else log.warning)(
+                    "reading the store's segments failed; keeping the host map",
+                    extra={"error": f"{type(e).__name__}: {e}"})
+                self._hosts_failing = True
             done.set_result(None)
 
         loop.run_in_executor(None, read).add_done_callback(finish)

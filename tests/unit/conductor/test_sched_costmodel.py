@@ -30,6 +30,21 @@ def test_unknown_path_falls_back_to_pool() -> None:
     assert m.link("nvlink") == m.transfer["pool"]
 
 
+def test_kv_on_another_host_never_loads_faster_than_kv_on_this_one() -> None:
+    import dataclasses
+
+    cpu = costmodel.load(costmodel.BUILTIN_CPU_PROFILE)
+    here = cpu.transfer_ms("local", 1000)
+    slow = dataclasses.replace(cpu, transfer={**cpu.transfer,
+                                              "pool": costmodel.Link(0.5, 0.0125)})
+    assert slow.remote_ms(1000) == slow.transfer_ms("pool", 1000) > here  # 100 Mbit/s
+    fast = dataclasses.replace(cpu, transfer={**cpu.transfer,
+                                              "pool": costmodel.Link(0.5, 1.25)})
+    assert fast.transfer_ms("pool", 1000) < here  # 10 Gbit/s beats the CPU's load...
+    assert fast.remote_ms(1000) == pytest.approx(here + 0.5)  # ...which still bounds it
+    assert fast.remote_ms(0) == 0
+
+
 @pytest.mark.parametrize("suffix", [".json", ".yaml"])
 def test_save_and_load_round_trip(tmp_path: Path, suffix: str) -> None:
     m = costmodel.load()

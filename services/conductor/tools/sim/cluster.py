@@ -114,8 +114,7 @@ class PrefillSim:
         compute = m.prefill_ms(job.prompt - c_all, c_all)
         if self._noise:
             compute *= float(self._rng.lognormal(0.0, self._noise))
-        dur = (m.transfer_ms("local", c_local) + m.transfer_ms("pool", c_all - c_local)
-               + compute)
+        dur = m.transfer_ms("local", c_local) + m.remote_ms(c_all - c_local) + compute
         return dur, Done(c_all, local, upto - local, compute)
 
     def finish(self, now: float) -> tuple[Job, Done, float | None]:
