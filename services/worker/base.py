@@ -122,6 +122,7 @@ class Worker(Generic[E]):
             registry=self.registry,
         )
         self.registry.register(_EngineCounters(lambda: self.engine))
+        self.registry.register(_KeepCounters(self.store))
         # mooncake_transfer_rdma_info: whether RDMA is unavailable, untested or in use here.
         self.registry.register(RdmaInfoCollector(lambda: str(self.store.engine.transport)))
 
@@ -370,6 +371,36 @@ class _EngineCounters:
                                                              labels=sorted(c.labels))
             fam.add_metric([c.labels[k] for k in sorted(c.labels)], c.value)
         yield from families.values()
+
+
+class _KeepCounters:
+    """What this worker's store client kept of the blocks it read from another host (the
+    plan's `keep_fetched`, hot-block replication), read at scrape time. The client's counters
+    arrive with the store's keep (`StoreClient.kept_blocks`...); until then nothing is
+    exported."""
+
+    _OUTCOMES = (("kept", "kept_blocks"), ("skipped", "keep_skipped"),
+                 ("failed", "keep_failures"))
+
+    def __init__(self, store: StoreClient) -> None:
+        self.store = store
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        fam = CounterMetricFamily(
+            "mooncake_worker_keep_blocks", "Blocks read from another host and kept on this "
+            "host: kept, skipped (this host had a copy already) or failed (no room, gone)",
+            labels=["outcome"])
+        found = False
+        for outcome, attr in self._OUTCOMES:
+            value = getattr(self.store, attr, None)
+            if isinstance(value, int):
+                fam.add_metric([outcome], value)
+                found = True
+        if found:
+            yield fam
 
 
 def run_worker(worker: Worker[E]) -> None:

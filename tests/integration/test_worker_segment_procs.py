@@ -22,6 +22,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client import generate_latest
 
 from mooncake_k8s.common import serving_rpc
 from mooncake_k8s.common.auth import call_metadata
@@ -125,5 +126,9 @@ def test_a_decode_worker_serves_its_segment_and_keeps_fetched_blocks_there(
             work = svc._work(pb.DecodeRequest(request_id="r", token_ids=tokens, first_token=7,
                                               plan=plan))
             assert work.keep_on == where and work.keys == list(plan.block_keys)
+        # What the store client kept (nothing yet: every block here is on this host).
+        text = generate_latest(svc.registry).decode()
+        for outcome in ("kept", "skipped", "failed"):
+            assert f'mooncake_worker_keep_blocks_total{{outcome="{outcome}"}} 0.0' in text
     finally:
         svc.drain_and_stop()
