@@ -372,6 +372,62 @@ class SpaceReleaseResponse(_message.Message):
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
 
+class ReplicaStartRequest(_message.Message):
+    __slots__ = ("keys", "segment")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    segment: str
+    def __init__(self, keys: _Optional[_Iterable[str]] = ..., segment: _Optional[str] = ...) -> None: ...
+
+class ReplicaStartResult(_message.Message):
+    __slots__ = ("replica_id", "replica", "size", "checksum", "code", "error")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    replica_id: int
+    replica: Replica
+    size: int
+    checksum: int
+    code: ErrorCode
+    error: str
+    def __init__(self, replica_id: _Optional[int] = ..., replica: _Optional[_Union[Replica, _Mapping]] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., code: _Optional[_Union[ErrorCode, str]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ReplicaStartResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ReplicaStartResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[ReplicaStartResult, _Mapping]]] = ...) -> None: ...
+
+class ReplicaEndItem(_message.Message):
+    __slots__ = ("key", "replica_id", "checksum", "revoke")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    REVOKE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    replica_id: int
+    checksum: int
+    revoke: bool
+    def __init__(self, key: _Optional[str] = ..., replica_id: _Optional[int] = ..., checksum: _Optional[int] = ..., revoke: _Optional[bool] = ...) -> None: ...
+
+class ReplicaEndRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ReplicaEndItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[ReplicaEndItem, _Mapping]]] = ...) -> None: ...
+
+class ReplicaEndResponse(_message.Message):
+    __slots__ = ("errors", "codes")
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    CODES_FIELD_NUMBER: _ClassVar[int]
+    errors: _containers.RepeatedScalarFieldContainer[str]
+    codes: _containers.RepeatedScalarFieldContainer[ErrorCode]
+    def __init__(self, errors: _Optional[_Iterable[str]] = ..., codes: _Optional[_Iterable[_Union[ErrorCode, str]]] = ...) -> None: ...
+
 class GetReplicasRequest(_message.Message):
     __slots__ = ("keys", "lease_ms", "client_host_id")
     KEYS_FIELD_NUMBER: _ClassVar[int]

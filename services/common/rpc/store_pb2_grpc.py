@@ -94,6 +94,16 @@ class MasterStub:
                 request_serializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.SpaceReleaseRequest.SerializeToString,
                 response_deserializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.SpaceReleaseResponse.FromString,
                 _registered_method=True)
+        self.ReplicaStart = channel.unary_unary(
+                '/mooncake.store.v1.Master/ReplicaStart',
+                request_serializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.ReplicaStartRequest.SerializeToString,
+                response_deserializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.ReplicaStartResponse.FromString,
+                _registered_method=True)
+        self.ReplicaEnd = channel.unary_unary(
+                '/mooncake.store.v1.Master/ReplicaEnd',
+                request_serializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.ReplicaEndRequest.SerializeToString,
+                response_deserializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.ReplicaEndResponse.FromString,
+                _registered_method=True)
         self.GetReplicas = channel.unary_unary(
                 '/mooncake.store.v1.Master/GetReplicas',
                 request_serializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.GetReplicasRequest.SerializeToString,
@@ -206,6 +216,18 @@ class MasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReplicaStart(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReplicaEnd(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetReplicas(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -310,6 +332,16 @@ def add_MasterServicer_to_server(servicer, server):
                     servicer.SpaceRelease,
                     request_deserializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.SpaceReleaseRequest.FromString,
                     response_serializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.SpaceReleaseResponse.SerializeToString,
+            ),
+            'ReplicaStart': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReplicaStart,
+                    request_deserializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.ReplicaStartRequest.FromString,
+                    response_serializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.ReplicaStartResponse.SerializeToString,
+            ),
+            'ReplicaEnd': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReplicaEnd,
+                    request_deserializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.ReplicaEndRequest.FromString,
+                    response_serializer=mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.ReplicaEndResponse.SerializeToString,
             ),
             'GetReplicas': grpc.unary_unary_rpc_method_handler(
                     servicer.GetReplicas,
@@ -671,6 +703,60 @@ class Master:
             '/mooncake.store.v1.Master/SpaceRelease',
             mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.SpaceReleaseRequest.SerializeToString,
             mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.SpaceReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReplicaStart(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mooncake.store.v1.Master/ReplicaStart',
+            mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.ReplicaStartRequest.SerializeToString,
+            mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.ReplicaStartResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReplicaEnd(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mooncake.store.v1.Master/ReplicaEnd',
+            mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.ReplicaEndRequest.SerializeToString,
+            mooncake__k8s_dot_common_dot_rpc_dot_store__pb2.ReplicaEndResponse.FromString,
             options,
             channel_credentials,
             insecure,

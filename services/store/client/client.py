@@ -52,11 +52,13 @@ from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.store.client.classic import ClassicWriter
 from mooncake_k8s.store.client.errors import retryable, rpc_error
 from mooncake_k8s.store.client.failover import PeerHealth
+from mooncake_k8s.store.client.keeper import Keeper
 from mooncake_k8s.store.client.masterlink import MasterLink, trailers_of
 from mooncake_k8s.store.client.spacewriter import LEASE_BYTES, RETRY, SpaceWriter
 from mooncake_k8s.store.wire import (
     LEADER_KEY,
     STANDBY_KEY,
+    Location,
     ObjectInfo,
     SegmentInfo,
     located,
@@ -71,6 +73,13 @@ _PLACEMENTS = {
     "most_free": pb.MOST_FREE,
 }
 _MAX_MSG = 64 << 20
+_CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", _MAX_MSG),
+    ("grpc.max_send_message_length", _MAX_MSG),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
 
 
 def default_replicas() -> int:
@@ -96,6 +105,10 @@ class StoreClient:
     progress, and `suspect_s` is how long a node that failed one is read last.
     `space_lease_bytes` is the extent a put leases so that later puts cost one master round
     trip each (`spacewriter`); 0 makes every put take the classic two.
+
+    Counters (what a worker exports): `local_reads` and `remote_reads` count objects read from
+    a replica on this client's host (shared memory) and on another host (the network);
+    `kept_blocks`, `keep_skipped`, `keep_failures` what `batch_get_into(keep_on=...)` kept.
     """
 
     def __init__(
@@ -131,17 +144,8 @@ class StoreClient:
         self._health = PeerHealth(suspect_s)
         self._host_id = host_id or local_host_id()
         self._md = auth.call_metadata(token)
-        self._link = MasterLink(
-            master, self._md,
-            options=[
-                ("grpc.max_receive_message_length", _MAX_MSG),
-                ("grpc.max_send_message_length", _MAX_MSG),
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.min_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 1000),
-            ],
-            attempt_s=master_attempt_s, token=token,
-        )
+        self._link = MasterLink(master, self._md, options=list(_CHANNEL_OPTIONS),
+                                attempt_s=master_attempt_s, token=token)
         self._timeout = timeout_s
         self._lease_ms = lease_ms
         self._verify = verify
@@ -156,6 +160,9 @@ class StoreClient:
         self._spaces = SpaceWriter(
             self._call, self._write_checksummed, located, self._host_id, space_lease_bytes)
         self._classic = ClassicWriter(self._call, self._write_checksummed, self._host_id)
+        self._keeper = Keeper(self._call, self._write_checksummed)
+        self._count_lock = threading.Lock()
+        self.local_reads = self.remote_reads = 0
 
     def close(self) -> None:
         self._spaces.close()
@@ -261,30 +268,115 @@ class StoreClient:
             raise ObjectNotFound(f"object {key!r} not found")
         return n
 
-    def batch_get_into(self, keys: Sequence[str], bufs: Sequence[Any]) -> list[int | None]:
-        """Read many objects; each result is the size read or None for a miss."""
+    def batch_get_into(
+        self, keys: Sequence[str], bufs: Sequence[Any], *, keep_on: str = ""
+    ) -> list[int | None]:
+        """Read many objects; each result is the size read or None for a miss. Each object is
+        read from its nearest replica (this host's through shared memory first).
+
+        `keep_on` names a segment (on this client's host, typically its own): every object
+        that had to be read from another host is then added as a replica there, from the
+        bytes just read, before this returns, so the next read here is local (hot-block
+        replication, `keeper`). Only free room under the segment's watermark is used, never
+        evicting; objects with a replica on that segment's host already are skipped. Keeping
+        never fails the read: what could not be kept is counted (`kept_blocks`,
+        `keep_skipped`, `keep_failures`, `last_keep_error`) and logged at debug, an unknown
+        segment name included. "" keeps nothing."""
         if len(keys) != len(bufs):
             raise InvalidArgument("keys and bufs differ in length")
+        if not isinstance(keep_on, str):
+            raise InvalidArgument(f"keep_on is a segment name, not {type(keep_on).__name__}")
         views = [byte_view(b, writable=True) for b in bufs]
         infos = self._lookup(keys)
         for k, info, v in zip(keys, infos, views, strict=True):
             if info is not None and len(v) < info.size:
                 raise BufferTooSmall(f"buffer of {len(v)} bytes for object {k!r} of {info.size}")
-        return self._read_into(keys, views, infos)
+        src: list[tuple[str, ObjectInfo] | None] = [None] * len(keys)
+        out = self._read_into(keys, views, infos, src)
+        if keep_on:
+            self._keep(keep_on, keys, views, src)
+        return out
+
+    def _keep(self, segment: str, keys: Sequence[str], views: Sequence[memoryview],
+              src: Sequence[tuple[str, ObjectInfo] | None]) -> None:
+        """Keep on `segment` what was read from another host (see `batch_get_into`)."""
+        items = []
+        there = 0
+        for i, got in enumerate(src):
+            if got is None or got[0] == self._host_id:
+                continue  # a miss, or read here already
+            info = got[1]
+            if any(loc.segment.name == segment for loc in info.replicas):
+                there += 1
+            else:
+                items.append((keys[i], info, views[i]))
+        if there:
+            self._keeper.count(skipped=there)
+        for key, loc in self._keeper.keep(segment, items).items():
+            self._cache_add(key, loc)
+
+    def _cache_add(self, key: str, loc: Location) -> None:
+        """A replica was added to a cached object: list it (the object's read lease covers it
+        as much as the others), so the next read here takes it without asking the master."""
+        with self._cache_lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                info = hit[1]
+                reps = sorted((loc, *info.replicas), key=self._nearness)
+                self._cache[key] = (hit[0], ObjectInfo(info.size, info.checksum, tuple(reps)))
+
+    def _nearness(self, loc: Location) -> tuple[bool, bool]:
+        """Sort key of replicas, nearest first: this host's, then DRAM before SSD."""
+        return loc.peer.host_id != self._host_id, loc.segment.tier != Tier.DRAM
+
+    @property
+    def kept_blocks(self) -> int:
+        """Replicas `batch_get_into(keep_on=...)` added (see `keeper`)."""
+        return self._keeper.kept
+
+    @property
+    def keep_skipped(self) -> int:
+        """Objects not kept because their segment's host had a replica already."""
+        return self._keeper.skipped
+
+    @property
+    def keep_failures(self) -> int:
+        """Objects that could not be kept (no room, gone, unknown segment, errors)."""
+        return self._keeper.failures
+
+    @property
+    def last_keep_error(self) -> str:
+        return self._keeper.last_error
 
     def _read_into(
-        self, keys: Sequence[str], views: Sequence[memoryview], infos: Sequence[ObjectInfo | None]
+        self, keys: Sequence[str], views: Sequence[memoryview], infos: Sequence[ObjectInfo | None],
+        src: list[tuple[str, ObjectInfo] | None] | None = None,
     ) -> list[int | None]:
+        """Read each object; `src`, when given, gets the host each one was read from (and
+        the replica list it was read by)."""
         out: list[int | None] = [None] * len(keys)
-        retry = self._read_batch(keys, infos, views, out, replica_index=0)
+        if src is None:
+            src = [None] * len(keys)
+        retry = self._read_batch(keys, infos, views, out, src)
         if retry:
             # Stale cache entries first get a fresh lookup, then every other replica is tried.
             for i in retry:
                 self._forget(keys[i])
             fresh = self._lookup([keys[i] for i in retry], use_cache=False)
             for i, info in zip(retry, fresh, strict=True):
-                out[i] = None if info is None else self._read_any(keys[i], info, views[i])
+                host = None if info is None else self._read_any(keys[i], info, views[i])
+                if info is not None and host is not None:
+                    out[i] = info.size
+                    src[i] = (host, info)
+        self._count_reads(src)
         return out
+
+    def _count_reads(self, src: Sequence[tuple[str, ObjectInfo] | None]) -> None:
+        local = sum(1 for got in src if got is not None and got[0] == self._host_id)
+        remote = sum(1 for got in src if got is not None) - local
+        with self._count_lock:
+            self.local_reads += local
+            self.remote_reads += remote
 
     def _read_batch(
         self,
@@ -292,7 +384,7 @@ class StoreClient:
         infos: Sequence[ObjectInfo | None],
         views: Sequence[memoryview],
         out: list[int | None],
-        replica_index: int,
+        src: list[tuple[str, ObjectInfo] | None],
     ) -> list[int]:
         """Read each object's nearest replica, grouped by peer; returns indexes that failed."""
         by_peer: dict[str, tuple[Peer, list[tuple[int, ReadOp]]]] = {}
@@ -300,7 +392,7 @@ class StoreClient:
         for i, info in enumerate(infos):
             if info is None or not info.replicas:
                 continue
-            loc = order(info.replicas)[replica_index]
+            loc = order(info.replicas)[0]
             entry = by_peer.setdefault(loc.peer.address, (loc.peer, []))
             entry[1].append((i, ReadOp(loc.segment, loc.offset, views[i][: info.size])))
         failed: list[int] = []
@@ -319,13 +411,16 @@ class StoreClient:
                     failed.append(i)
                 else:
                     out[i] = info.size
+                    src[i] = (peer.host_id, info)
         return failed
 
     def _failed(self, peer: Peer) -> None:
         self.engine.forget(peer)
         self._health.failed(peer.address)
 
-    def _read_any(self, key: str, info: ObjectInfo, view: memoryview) -> int | None:
+    def _read_any(self, key: str, info: ObjectInfo, view: memoryview) -> str | None:
+        """Read the object from whichever replica answers with its bytes, nearest first; the
+        host it was read from, or None."""
         for loc in self._health.order(info.replicas):
             try:
                 sums = self.engine.read(
@@ -337,7 +432,7 @@ class StoreClient:
                 continue
             self._health.succeeded(loc.peer.address)
             if sums is None or sums[0] == info.checksum:
-                return info.size
+                return loc.peer.host_id
         self._forget(key)
         return None
 
@@ -372,10 +467,7 @@ class StoreClient:
         for i, obj in zip(missing, resp.objects, strict=True):
             if not obj.found:
                 continue
-            locs = sorted(
-                (location(r) for r in obj.replicas),
-                key=lambda loc: (loc.peer.host_id != self._host_id, loc.segment.tier != Tier.DRAM),
-            )
+            locs = sorted((location(r) for r in obj.replicas), key=self._nearness)
             info = ObjectInfo(obj.size, obj.checksum, tuple(locs))
             result[i] = info
             fresh.append((keys[i], info))

@@ -5,8 +5,8 @@ a node (re-)registers with its segments and inventory (`register_node`), may com
 process under the same id (`_reconcile_restart`), may go silent (`drop_node`), and receives
 the master's commands over a stream (`open_command_stream` / `next_commands`) whose copies it
 reports back (`command_done`, finished by `tiering`). A node that leaves or restarts takes its
-puts, space leases and copies with it: the parts that own them are told (`cancel_on`,
-`cancel_copies`). It runs under the state's lock like everything else there.
+puts, space leases, replicas being added and copies with it: the parts that own them are told
+(`cancel_on`, `cancel_copies`). It runs under the state's lock like everything else there.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from mooncake_k8s.store.master.records import (
     Segment,
     check_key,
 )
+from mooncake_k8s.store.master.replicas import ReplicaAdds
 from mooncake_k8s.store.master.spaces import SpaceLeases
 from mooncake_k8s.store.master.tiering import TierPolicy
 
@@ -50,7 +51,9 @@ class NodeMembership:
     """Node registration, restarts, loss and command streams; see the module docstring."""
 
     def __init__(self, catalog: Catalog, tiers: TierPolicy, puts: ClassicPuts,
-                 spaces: SpaceLeases, *, master_id: str, node_timeout_s: float) -> None:
+                 spaces: SpaceLeases, adds: ReplicaAdds, *, master_id: str,
+                 node_timeout_s: float) -> None:
+        self._adds = adds
         self._cat = catalog
         self._tiers = tiers
         self._puts = puts
@@ -169,6 +172,7 @@ class NodeMembership:
         held = {(it.key, it.segment, it.offset, it.size, it.checksum) for it in inventory}
         self._tiers.cancel_copies(node)
         self._spaces.cancel_on(node)
+        self._adds.cancel_on(node)
         self._puts.cancel_on(node, "put cancelled: its node restarted")
         dropped = 0
         for seg in node.segments:
@@ -263,6 +267,7 @@ class NodeMembership:
                 dropped += 1
         self._puts.cancel_on(node)
         self._spaces.cancel_on(node)
+        self._adds.cancel_on(node)
         self._tiers.forget_copies(node)
         node.commands.clear()
         self._cat.wake(node)

@@ -56,7 +56,7 @@ COMMAND_COALESCE_S = 0.002
 """After sending commands to a node, wait this long before sending more."""
 _OFF_LOOP = frozenset({"RegisterNode"})
 """Unary calls run on the executor instead of the event loop (see the module docstring)."""
-_OFF_LOOP_HA = _OFF_LOOP | {"PutEnd", "BatchPutEnd", "PutCommit", "Remove", "Pin"}
+_OFF_LOOP_HA = _OFF_LOOP | {"PutEnd", "BatchPutEnd", "PutCommit", "ReplicaEnd", "Remove", "Pin"}
 """With Redis HA these also write to Redis before they answer: kept off the loop too."""
 
 
@@ -266,6 +266,29 @@ class MasterServicer:
     def SpaceRelease(self, req: pb.SpaceReleaseRequest, ctx: Any) -> pb.SpaceReleaseResponse:
         return pb.SpaceReleaseResponse(found=self.state.space_release(req.lease_id))
 
+    def ReplicaStart(self, req: pb.ReplicaStartRequest, ctx: Any) -> pb.ReplicaStartResponse:
+        self._authoritative()
+        return pb.ReplicaStartResponse(results=self.state.replica_start(req.keys, req.segment))
+
+    def ReplicaEnd(self, req: pb.ReplicaEndRequest, ctx: Any) -> pb.ReplicaEndResponse:
+        resp, added = self.state.replica_end(req.items)
+        if self.ha is None or not added:
+            return resp
+        new = set(added)
+        try:  # HA: journal the new replicas before answering, like a put's (`_durable`)
+            self.ha.journal_commits(
+                JournalEntry(n, inc, item)
+                for n, inc, item in self.state.replica_records([k for k, _ in added])
+                if (item.key, item.segment) in new)
+        except Exception as e:
+            self.state.adds.retract(added)
+            log.warning("added replicas not journaled; taken back",
+                        extra={"replicas": len(added), "error": type(e).__name__})
+            raise _Abort(grpc.StatusCode.UNAVAILABLE,
+                         f"the master could not record the added replicas durably ({e})",
+                         ((STANDBY_KEY, "1"),)) from e
+        return resp
+
     # -- reads -----------------------------------------------------------------------------
 
     def GetReplicas(self, req: pb.GetReplicasRequest, ctx: Any) -> bytes:
@@ -337,6 +360,8 @@ _UNARY: tuple[tuple[str, Any], ...] = (
     ("SpaceLease", pb.SpaceLeaseRequest),
     ("PutCommit", pb.PutCommitRequest),
     ("SpaceRelease", pb.SpaceReleaseRequest),
+    ("ReplicaStart", pb.ReplicaStartRequest),
+    ("ReplicaEnd", pb.ReplicaEndRequest),
     ("GetReplicas", pb.GetReplicasRequest),
     ("ReleaseLease", pb.ReleaseLeaseRequest),
     ("Exists", pb.ExistsRequest),

@@ -9,9 +9,10 @@ The state is one class made of parts, each given what it works with at construct
 than sharing this class's privates: `catalog.Catalog` holds the shared records (nodes, segments,
 objects, ids, events, counters) and the primitives that change them; `tiering.TierPolicy`
 (placement, eviction, spilling, promotion and their copies), `puts.ClassicPuts` (two phases,
-`put_start` / `put_end`), `spaces.SpaceLeases` (one round trip, from a leased extent) and
-`membership.NodeMembership` (registration, restarts, loss, command streams) own their records
-and call each other through public methods. This class keeps reads, read leases, removal and
+`put_start` / `put_end`), `spaces.SpaceLeases` (one round trip, from a leased extent),
+`replicas.ReplicaAdds` (a replica added to a stored object) and `membership.NodeMembership`
+(registration, restarts, loss, command streams) own their records and call each other through
+public methods. This class keeps reads, read leases, removal and
 pins, and runs the parts' periodic work (`tick`).
 
 A node that registers again with a new incarnation (a restarted process) is reconciled with
@@ -66,6 +67,7 @@ from mooncake_k8s.store.master.records import (
     Segment,
     encode_entry,
 )
+from mooncake_k8s.store.master.replicas import ReplicaAdds
 from mooncake_k8s.store.master.spaces import SPACE_TTL_S, SpaceLeases
 from mooncake_k8s.store.master.tiering import TierPolicy
 
@@ -130,7 +132,8 @@ class MasterState:
                                 put_timeout_s=put_timeout_s, put_claim_s=put_claim_s)
         self.spaces = SpaceLeases(cat, self.tiers, max_object_size=max_object_size,
                                   space_ttl_s=space_ttl_s)
-        self.membership = NodeMembership(cat, self.tiers, self.puts, self.spaces,
+        self.adds = ReplicaAdds(cat, self.tiers, timeout_s=put_timeout_s)
+        self.membership = NodeMembership(cat, self.tiers, self.puts, self.spaces, self.adds,
                                          master_id=self.master_id, node_timeout_s=node_timeout_s)
         self._lock = cat.lock
         self._objects = cat.objects
@@ -204,6 +207,16 @@ class MasterState:
     @property
     def space_leases(self) -> int:
         return self.spaces.space_leases
+
+    def replica_start(self, keys: Sequence[str], segment: str) -> list[pb.ReplicaStartResult]:
+        """See `replicas.ReplicaAdds.replica_start`."""
+        return self.adds.replica_start(keys, segment)
+
+    def replica_end(
+        self, items: Sequence[pb.ReplicaEndItem]
+    ) -> tuple[pb.ReplicaEndResponse, list[tuple[str, str]]]:
+        """See `replicas.ReplicaAdds.replica_end`."""
+        return self.adds.replica_end(items)
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -346,6 +359,7 @@ class MasterState:
             self.membership.expire(now)
             self.puts.expire(now)
             self.spaces.expire(now)
+            self.adds.expire(now)
             heap = self._lease_heap
             while heap and heap[0][0] <= now:
                 _, lease_id = heapq.heappop(heap)

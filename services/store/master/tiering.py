@@ -172,6 +172,14 @@ class TierPolicy:
         for r in reps:
             r.seg.alloc.free(r.offset, size)
 
+    def alloc_free(self, seg: Segment, size: int) -> int | None:
+        """Allocate only from free room under the high watermark, with no side effect at all
+        (no spill, no eviction): a copy that is merely worth having (an added replica) never
+        displaces anything. None when it does not fit so."""
+        if not self._room(seg, seg.alloc.rounded(size)):
+            return None
+        return seg.alloc.alloc(size)
+
     def _alloc_in_room(self, seg: Segment, size: int) -> int | None:
         """Allocate without dropping anything. A DRAM segment without room starts spilling to
         its SSD (never evicting here), which makes room for the puts after this one."""
