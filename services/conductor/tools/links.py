@@ -84,9 +84,12 @@ def measure(cfg: LinkConfig, log: Callable[[str], None] = print) -> Links:
     if not cfg.sizes or cfg.repeats < 1:
         raise LinkError("need at least one size and one repeat")
     try:
+        # The segment list with a short timeout: an unreachable master fails in seconds, not
+        # after the measuring client's (long enough for 64 MiB over 100 Mbit/s).
+        with StoreClient(cfg.master, cfg.token, timeout_s=min(5.0, cfg.timeout_s)) as probe:
+            segs = _targets(probe.segments(), cfg.segments)
         with StoreClient(cfg.master, cfg.token, host_id=cfg.host_id, location_cache=False,
                          replicas=1, timeout_s=cfg.timeout_s) as client:
-            segs = _targets(client.segments(), cfg.segments)
             samples = _sample_all(client, segs, cfg, log)
     except MooncakeError as e:
         raise LinkError(f"store at {cfg.master}: {type(e).__name__}: {e}") from e
