@@ -221,8 +221,7 @@ def _sizes(text: str, what: str) -> tuple[int, ...]:
 @click.option("--out", required=True, type=click.Path(dir_okay=False),
               help="Where to write the cost model (.json, or .yaml).")
 @click.option("--master", envvar="MOONCAKE_MASTER", type=MASTERS, default=None, show_envvar=True,
-              help="Store master: read the KV block size from its events, and measure the "
-                   "links between hosts through it.")
+              help="Store master: read the KV block size from its events.")
 @_token_opt
 @click.option("--kv-bytes-per-token", default=None, type=click.IntRange(1),
               help="KV bytes per token, when not read from the store.")
