@@ -76,6 +76,22 @@ def test_segments_put_one_replica_on_each_named_segment(bed: Bed, lease_bytes: i
         assert bytes(c.get("two")) == b"x" * 5000
 
 
+def test_two_named_segments_of_one_node_go_to_distinct_nodes(bed: Bed) -> None:
+    node = StorageNode(NodeConfig(master=bed.cluster.master_address, node_id="nd",
+                                  token=bed.cluster.token, dram_size=8 * MiB, dram_segments=2,
+                                  host_id="hD", prefault=False))
+    node.start()
+    try:
+        assert node.wait_registered(20)
+        with bed.client("hA") as c:
+            c.put("pair", b"q" * 4000, segments=["nd-dram-0", "nd-dram-1"])
+            got = bed.replicas("pair")
+            assert len(got) == 2 and "nd-dram-0" in got and "nd-dram-1" not in got
+            assert [s for s in got if s != "nd-dram-0"] == ["na-dram-0"]  # then local first
+    finally:
+        node.stop()
+
+
 def test_segments_lists_every_segment_with_its_host(bed: Bed) -> None:
     with bed.client("hA") as c:
         c.put("k", b"z" * 1000, segments=["nb-dram-0"])
