@@ -3,6 +3,7 @@ Redis coordinator (election, fencing, journal, roster, pins) against a real redi
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 from mooncake_k8s.common.errors import InvalidArgument
 from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.store.client.masterlink import parse_masters
+from mooncake_k8s.store.master.config import MasterConfig
 from mooncake_k8s.store.master.ha import (
     Fenced,
     Holder,
@@ -19,6 +21,8 @@ from mooncake_k8s.store.master.ha import (
     RedisCoordinator,
     redis_location,
 )
+from mooncake_k8s.store.master.recovery import RecoveryGate
+from mooncake_k8s.store.master.servicer import MasterServicer
 from mooncake_k8s.store.master.state import MasterState
 from mooncake_k8s.store.testing import RedisServer
 
@@ -164,3 +168,33 @@ def test_journal_roster_and_pins_round_trip(redis_url: str) -> None:
     a.save_pins(["q"], False)
     assert a.load_pins() == ["p"]
     a.stop()
+
+
+def test_an_added_replica_is_journaled_before_the_answer(redis_url: str) -> None:
+    """ReplicaEnd through the servicer of an HA leader writes the new replica (and only it)
+    to the journal, so a next leader restores it even when the node never heard of it."""
+    ha = coordinator(redis_url, "a")
+    ha.start()
+    wait(lambda: ha.is_leader)
+    try:
+        st = MasterState()
+        st.register_node("a", "a:1", "hA", seg("a"), [], "inc-a")
+        st.register_node("b", "b:1", "hB", seg("b"), [], "inc-b")
+        servicer = MasterServicer(st, MasterConfig(), threading.Event(),
+                                  RecoveryGate(None, 0), ha)
+        r = st.put_start("k", KiB, 1, pb.LOCAL_FIRST, "", "", ["a-dram-0"])
+        st.put_end("k", r.put_id, 7)  # (the checksum `item` gives the inventory below)
+        res = st.replica_start(["k"], "b-dram-0")[0]
+        resp = servicer.ReplicaEnd(pb.ReplicaEndRequest(items=[pb.ReplicaEndItem(
+            key="k", replica_id=res.replica_id, checksum=7)]), None)
+        assert list(resp.codes) == [pb.ERROR_NONE]
+        journal = ha.journal_for("b", "inc-b")
+        assert [(i.key, i.offset) for i in journal] == [("k", res.replica.offset)]
+        assert ha.journal_for("a", "inc-a") == []  # the put's own was never journaled here
+        fresh = MasterState()  # the next leader: b re-registers with an empty inventory
+        fresh.register_node("a", "a:1", "hA", seg("a"), [item("k", 0)], "inc-a")
+        fresh.register_node("b", "b:1", "hB", seg("b"), [], "inc-b", journal=journal)
+        got = fresh.get_replicas(["k"]).response().objects[0]
+        assert sorted(x.segment for x in got.replicas) == ["a-dram-0", "b-dram-0"]
+    finally:
+        ha.stop()
