@@ -8,6 +8,10 @@ queueing estimate.
 The engine (any kind, `engine.api`) reads the blocks the plan names, verifies them and
 recomputes anything missing or corrupt: a cache miss costs time, never correctness. A plan made
 in another key namespace is not trusted (the keys are computed here instead, and counted).
+
+With `local_segment_size` the worker also serves a DRAM segment of the pool on its host
+(`worker.base`): the engine keeps the prefixes it computes there (the plan's `home_segment`)
+beside the copy it writes for decode, so a repeat routed to this host reads shared memory.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What the prefill and decode workers share: config, engine start-up, gRPC and health servers,
-load reports, graceful drain, and the DRAM segment a worker serves to the store on its own
-host. The engine itself sits behind the engine seam (`engine.api`),
-of the kind the registry (`engine.registry`) names; the worker imports nothing else of it.
+load reports, graceful drain, and the DRAM segment a worker serves to the store on its host.
+The engine itself sits behind the engine seam (`engine.api`), of the kind the registry
+(`engine.registry`) names; the worker imports nothing else of it.
 
 With `local_segment_size` a worker (prefill or decode) also serves a DRAM segment of the pool
 from its own process, like a storage node living beside the engine: decode's is where prefill
@@ -154,7 +154,11 @@ class Worker(Generic[E]):
             self.role, cfg.host, cfg.port, cfg.token, cfg.workers, self.handlers()
         )
         self._server = server
-        self._start_segment()
+        try:
+            self._start_segment()
+        except BaseException:
+            server.stop(None)  # the process is about to exit: let nothing keep it serving
+            raise
         if cfg.metrics_port is not None and cfg.metrics_port >= 0:
             self._health = HealthServer(
                 self.registry, cfg.metrics_host or cfg.host, cfg.metrics_port, self.not_ready,
