@@ -9,7 +9,10 @@ because the blocks then stay in the pool: any later prefill on any node reuses t
 decode instance that dies can be replaced by another that loads the same blocks.
 
 The plan reaches the connector inside the request (`kv_transfer_params["mooncake"]`): keys the
-Conductor computed, how many leading blocks the pool holds, where to write. Tenants: the tenant
+Conductor computed, how many leading blocks the pool holds, where to write (`write_segment`,
+next to the decode, and `home_segment`, this prefill's own host: one replica on each), and where
+to keep blocks read from another host (`keep_on`: the plan's `keep_fetched` on prefill, the
+decode work's `keep_on` on decode). Tenants: the tenant
 salts our keys and, as vLLM's `cache_salt`, vLLM's own prefix cache.
 """
 
@@ -81,6 +84,14 @@ class _Vllm(ChildEngine):
                               "Requests whose pool prefix came from the plan or a lookup",
                               float(stats.get(k, 0)), {"source": k})
                 for k in ("planned", "lookups")]
+        out += [EngineCounter("mooncake_vllm_kv_save_layers_total",
+                              "Layers of saved blocks copied out of vLLM's cache: in the "
+                              "layer's own hook (hooked) or after the forward pass (late)",
+                              float(stats.get(f"layers_{k}", 0)), {"when": k})
+                for k in ("hooked", "late")]
+        out.append(EngineCounter("mooncake_vllm_kv_blocks_streamed_total",
+                                 "Saved blocks written layer by layer while vLLM computed",
+                                 float(stats.get("streamed", 0))))
         return out
 
     def read_load(self, metrics: str) -> EngineLoad:
@@ -107,7 +118,10 @@ class _Vllm(ChildEngine):
 class VllmPrefill(_Vllm):
     def prefill(self, work: PrefillWork) -> PrefillDone:
         plan = work.plan
-        params: dict[str, Any] = {"keys": list(plan.keys), "write_segment": plan.write_segment}
+        params: dict[str, Any] = {"keys": list(plan.keys), "write_segment": plan.write_segment,
+                                  "home_segment": plan.home_segment}
+        if plan.keep_fetched and plan.home_segment:
+            params["keep_on"] = plan.home_segment  # what it reads from another host stays here
         if plan.planned:
             params["reuse"] = plan.reuse_blocks
         body = {**self._body(work.token_ids, work.tenant, params),
@@ -137,7 +151,10 @@ class VllmDecode(_Vllm):
         left = work.sampling.max_tokens - 1
         if left <= 0:
             return
-        params = {"keys": list(work.keys), "reuse": len(work.keys), "save": False}
+        params: dict[str, Any] = {"keys": list(work.keys), "reuse": len(work.keys),
+                                  "save": False}
+        if work.keep_on:
+            params["keep_on"] = work.keep_on
         body = {**self._body([*work.token_ids, work.first_token], work.tenant, params),
                 **sampling_body(work.sampling, left)}
         stream = self.server.stream_completion(body)

@@ -11,16 +11,24 @@ scheduler process (role SCHEDULER) and once per worker (role WORKER):
   fully computed prompt blocks to save.
 - Worker side: loads before the forward pass (every block verified by header and checksum; a
   bad or vanished block is reported to vLLM, which recomputes it: `kv_load_failure_policy`
-  "recompute"), saves after it (gathered from every layer into one block, written with one
-  batched put to the plan's segment).
+  "recompute"). Saves layer by layer (`layersave`): vLLM calls `save_kv_layer` right after each
+  attention layer has written its KV, and that layer's slice of every block the step saves is
+  copied out of vLLM's cache and handed to a streaming put (store.client.streamput) whose
+  sender thread writes it at the layer's offset of each block object on the plan's segments,
+  while the next layers compute. `wait_for_save` then only adds the headers (the payload
+  checksum needs every layer), sends them and commits; a block the stream could not store is
+  put whole. The stored bytes are those of a whole-block save.
 
 Keys: our chained block keys (DESIGN §3) in a namespace that includes the model fingerprint,
 dtype, block size, tenant and the producer tag `vllm-<device>`, so vLLM blocks never stand in for
 the embedded engine's (or another device's) and tenants never share.
 
-Loads and saves are synchronous per step: on a CPU the copy is a small part of the step, and a
-prefill that returns has its blocks in the pool for decode to read. (Layer-by-layer overlap of
-the load with compute, which GPUs want, would go in `wait_for_layer_load`.)
+Loads stay whole, before the forward pass, rather than per layer in `wait_for_layer_load`: the
+store reads whole objects (every layer of a block in one), a block can only be trusted once its
+checksum over all layers is checked, and layer 0 needs every block; so a per-layer load would
+wait for the whole read before layer 0 and leave only the scatter into vLLM's cache (CPU work
+on the same cores) to spread over the layers. Measured in docs/engines.md. A save returns when
+committed: a prefill that answers has its blocks in the pool for decode to read.
 """
 
 from __future__ import annotations
@@ -48,31 +56,34 @@ from mooncake_k8s.common.blocks import (
     KeyNamespace,
     block_keys,
     decode_block,
-    encode_header,
 )
 from mooncake_k8s.common.errors import IntegrityError, MooncakeError, ObjectExists
 from mooncake_k8s.engine.statsfile import stats_path, write_stats
 from mooncake_k8s.engine.vllm.kvlayout import PagedKV, UnsupportedLayout, dtype_name
+from mooncake_k8s.engine.vllm.layersave import (
+    LayerSink,
+    PutAtCommit,
+    SaveGroup,
+    StepSave,
+    StreamSink,
+)
 from mooncake_k8s.engine.vllm.spin import limit_idle_spin
 
 log = logging.getLogger("mooncake_k8s.vllm.connector")
 
 PARAMS_KEY = "mooncake"
-_KEY = re.compile(r"[0-9a-f]{32}")
 """The key of our plan inside a request's `kv_transfer_params`."""
+STAGING_PREFAULT = 256 << 20
+"""The most host staging a worker prepares at registration (see `_buffer`)."""
+_KEY = re.compile(r"[0-9a-f]{32}")
 
 
 @dataclass
 class _Load:
     keys: list[str]
     block_ids: list[int]
-
-
-@dataclass
-class _Save:
-    keys: list[str]
-    block_ids: list[int]
-    segment: str
+    keep_on: str = ""
+    """Blocks read from another host are kept on this segment (hot-block replication)."""
 
 
 @dataclass
@@ -80,7 +91,7 @@ class MooncakeMeta(KVConnectorMetadata):  # type: ignore[misc]
     """One step's work for the workers."""
 
     loads: list[_Load] = field(default_factory=list)
-    saves: list[_Save] = field(default_factory=list)
+    saves: list[SaveGroup] = field(default_factory=list)
 
 
 @dataclass
@@ -89,8 +100,10 @@ class _Req:
     prompt_len: int
     pool_blocks: int
     """Leading blocks the pool holds (the plan's count, or the store's answer)."""
-    segment: str
+    segments: tuple[str, ...]
+    """Where new blocks' replicas go, in order (empty: the store places one)."""
     save: bool
+    keep_on: str = ""
     local_blocks: int = 0
     """Blocks vLLM's own prefix cache supplied (nothing to load for them)."""
     load_blocks: int = 0
@@ -107,6 +120,24 @@ def _valid_keys(keys: Any, full: int) -> bool:
     hand-written request to the vLLM port) is ignored, never allowed to break the scheduler."""
     return (isinstance(keys, list) and len(keys) <= full
             and all(isinstance(k, str) and _KEY.fullmatch(k) for k in keys))
+
+
+def _str(v: Any) -> str:
+    return v if isinstance(v, str) else ""
+
+
+def _segments(params: dict[str, Any]) -> tuple[str, ...]:
+    """New blocks' replicas: one on the prefill's own host (`home_segment`), one next to the
+    decode (`write_segment`); the same segment or an empty one is one copy."""
+    named = (_str(params.get("home_segment")), _str(params.get("write_segment")))
+    return tuple(dict.fromkeys(s for s in named if s))
+
+
+def _flag(configured: Any, env: str) -> bool:
+    """A switch from the connector's extra config, else from the environment."""
+    if isinstance(configured, bool):
+        return configured
+    return env.strip().lower() not in ("0", "false", "no", "off")
 
 
 def _store_client(extra: dict[str, Any]) -> Any:
@@ -144,8 +175,12 @@ class MooncakeK8sConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._paged: PagedKV | None = None
             self._layout: BlockLayout | None = None
             self._errors: set[int] = set()
-            self._stats.update(loaded=0, rejected=0, missing=0, saved=0, save_failed=0)
+            self._stats.update(loaded=0, rejected=0, missing=0, saved=0, save_failed=0,
+                               layers_hooked=0, layers_late=0, streamed=0)
             self._staging = np.empty(0, dtype=np.uint8)
+            self._step: tuple[MooncakeMeta, StepSave] | None = None
+            self._stream_saves = _flag(extra.get("stream_saves"),
+                                       os.environ.get("MOONCAKE_VLLM_STREAM_SAVES", "1"))
 
     # -- shared ----------------------------------------------------------------------------
 
@@ -206,8 +241,8 @@ class MooncakeK8sConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._flush_stats()
         else:
             pool = self._lookup(keys) if params.get("lookup", True) else 0
-        st = _Req(keys, len(prompt), pool, str(params.get("write_segment", "")),
-                  bool(params.get("save", True)))
+        st = _Req(keys, len(prompt), pool, _segments(params), bool(params.get("save", True)),
+                  keep_on=_str(params.get("keep_on")))
         st.saved_upto = st.pool_blocks
         self._reqs[request.request_id] = st
         return st
@@ -268,7 +303,7 @@ class MooncakeK8sConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Load what vLLM was promised (`update_state_after_alloc`) into the blocks it got."""
         if st.load_blocks:
             a, b = st.local_blocks, st.local_blocks + st.load_blocks
-            meta.loads.append(_Load(st.keys[a:b], st.block_ids[a:b]))
+            meta.loads.append(_Load(st.keys[a:b], st.block_ids[a:b], st.keep_on))
             st.load_blocks = 0
 
     def _plan_save(self, st: _Req, computed: int, meta: MooncakeMeta) -> None:
@@ -278,7 +313,7 @@ class MooncakeK8sConnector(KVConnectorBase_V1):  # type: ignore[misc]
         full = min(min(computed, st.prompt_len) // self._bs, len(st.keys), len(st.block_ids))
         if full > st.saved_upto:
             a = st.saved_upto
-            meta.saves.append(_Save(st.keys[a:full], st.block_ids[a:full], st.segment))
+            meta.saves.append(SaveGroup(st.keys[a:full], st.block_ids[a:full], st.segments))
             st.saved_upto = full
 
     def request_finished(self, request: Any, block_ids: list[int]
@@ -300,12 +335,24 @@ class MooncakeK8sConnector(KVConnectorBase_V1):  # type: ignore[misc]
         else:
             log.info("KV connector on: %d layers, %d kv heads, head dim %d, %s layout",
                      len(p.layers), p.kv_heads, p.head_dim, p.kind)
+            tokens = int(getattr(self._vllm_config.model_config, "max_model_len", 0) or 0)
+            self._buffer(min(tokens // self._bs, STAGING_PREFAULT // self._block_bytes()))
+
+    def _block_bytes(self) -> int:
+        assert self._layout is not None
+        return int(self._layout.block_bytes(self._bs))
 
     def _buffer(self, n: int) -> np.ndarray:
-        assert self._layout is not None
-        size = self._layout.block_bytes(self._bs)
+        """Host staging for `n` blocks, shared by the step's loads (done before the forward)
+        and saves (staged during it, committed in `wait_for_save`). Kept across steps, grown
+        by half again when short, and written once when made: a fresh buffer's first touch
+        (page faults) cost more than the copy itself here (0.6 s for 66 MB on this VM),
+        so it is paid at registration (the prompt length vLLM allows, within
+        STAGING_PREFAULT) or at the growth, never again per step."""
+        size = self._block_bytes()
         if self._staging.nbytes < n * size:
-            self._staging = np.empty(n * size, dtype=np.uint8)
+            self._staging = np.empty(max(n * size, self._staging.nbytes * 3 // 2), np.uint8)
+            self._staging.fill(0)
         return self._staging[: n * size].reshape(n, size)
 
     def _payloads(self, buf: np.ndarray) -> torch.Tensor:
@@ -328,7 +375,10 @@ class MooncakeK8sConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._paged is not None and self._layout is not None
         buf = self._buffer(len(ld.keys))
         try:
-            sizes = self._client().batch_get_into(ld.keys, list(buf))
+            if ld.keep_on:
+                sizes = self._client().batch_get_into(ld.keys, list(buf), keep_on=ld.keep_on)
+            else:
+                sizes = self._client().batch_get_into(ld.keys, list(buf))
         except MooncakeError as e:
             log.warning("loading %d blocks failed; vLLM recomputes them: %s", len(ld.keys), e)
             sizes = [None] * len(ld.keys)
@@ -354,40 +404,73 @@ class MooncakeK8sConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._errors.update(ld.block_ids[good:])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads complete in `start_load_kv`."""
+        """Loads complete in `start_load_kv` (see the module docstring for why)."""
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """Blocks are saved whole (every layer) in `wait_for_save`."""
+        """Stage this layer's slice of every block the step saves (layersave)."""
+        step = self._step_save()
+        if step is not None and step.layer(layer_name):
+            self._stats["layers_hooked"] += 1
 
-    def wait_for_save(self) -> None:
+    def _step_save(self) -> StepSave | None:
+        """This step's saves, begun at the first hook (or at `wait_for_save` without hooks)."""
         meta = self._get_connector_metadata()
         if self._paged is None or not isinstance(meta, MooncakeMeta) or not meta.saves:
+            return None
+        if self._step is not None and self._step[0] is meta:
+            return self._step[1]
+        assert self._layout is not None
+        staging = self._buffer(sum(len(g.keys) for g in meta.saves))
+        step = StepSave(self._paged, self._layout, self._bs, meta.saves, staging,
+                        self._sink(meta.saves, staging))
+        self._step = (meta, step)
+        return step
+
+    def _sink(self, groups: list[SaveGroup], staging: np.ndarray) -> LayerSink:
+        """Stream the layers to the store as they are staged, or put whole blocks at the end
+        (streaming switched off, or the streaming put could not start)."""
+        if self._stream_saves:
+            try:
+                return StreamSink.open(self._client(), groups, staging, self._put)
+            except (ImportError, MooncakeError) as e:
+                log.warning("streaming saves off (blocks are put whole): %s", e)
+                self._stream_saves = False
+        return PutAtCommit(self._put)
+
+    def wait_for_save(self) -> None:
+        step = self._step_save()
+        self._step = None
+        if step is None:
             return
-        for sv in meta.saves:
-            self._save(sv)
+        self._stats["layers_late"] += step.layers - step.staged_layers
+        results = step.finish()
+        if isinstance(step.sink, StreamSink):
+            self._stats["streamed"] += step.sink.streamed
+        for g, errors in zip(step.groups, results, strict=True):
+            for key, err in zip(g.keys, errors, strict=True):
+                if err is None or isinstance(err, ObjectExists):
+                    self._stats["saved"] += 1
+                else:
+                    self._stats["save_failed"] += 1
+                    log.warning("saving block %s failed: %s", key, err)
         self._flush_stats()
 
-    def _save(self, sv: _Save) -> None:
-        assert self._paged is not None and self._layout is not None
-        buf = self._buffer(len(sv.keys))
-        self._paged.gather(sv.block_ids, self._payloads(buf))
-        for i in range(len(sv.keys)):
-            buf[i, :HEADER_SIZE] = np.frombuffer(
-                encode_header(self._layout, self._bs, buf[i, HEADER_SIZE:]), dtype=np.uint8)
-        seg = sv.segment or None
+    def _put(self, keys: list[str], objects: list[np.ndarray], segments: tuple[str, ...]
+             ) -> list[Exception | None]:
+        """One batched put: a replica on each of `segments`, or one the store places."""
         try:
-            errors = self._client().batch_put(
-                sv.keys, list(buf), placement="preferred" if seg else "local_first",
+            if len(segments) > 1:
+                out: list[Exception | None] = self._client().batch_put(
+                    keys, objects, segments=list(segments))
+                return out
+            seg = segments[0] if segments else None
+            out = self._client().batch_put(
+                keys, objects, placement="preferred" if seg else "local_first",
                 preferred_segment=seg)
+            return out
         except MooncakeError as e:
-            errors = [e] * len(sv.keys)
-        for key, err in zip(sv.keys, errors, strict=True):
-            if err is None or isinstance(err, ObjectExists):
-                self._stats["saved"] += 1
-            else:
-                self._stats["save_failed"] += 1
-                log.warning("saving block %s failed: %s", key, err)
+            return [e] * len(keys)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,11 +47,17 @@ class PagedKV:
     """The engine's per-layer KV tensors, in model order, and how to read them as blocks."""
 
     layers: list[torch.Tensor]
+    names: list[str]
+    """vLLM's layer names, in the order of `layers` (the hooks name the layer they run for)."""
     kind: str
     """"cpu" or "flash"."""
     kv_heads: int
     block_size: int
     head_dim: int
+    _index: dict[str, int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._index = {n: i for i, n in enumerate(self.names)}
 
     @classmethod
     def from_caches(cls, caches: dict[str, torch.Tensor]) -> PagedKV:
@@ -64,10 +70,10 @@ class PagedKV:
             raise UnsupportedLayout("layers differ in KV shape or dtype (hybrid models)")
         if t.dim() == 4 and t.shape[3] % 2 == 0:
             _, heads, bs, two_d = t.shape
-            return cls(layers, "cpu", heads, bs, two_d // 2)
+            return cls(layers, names, "cpu", heads, bs, two_d // 2)
         if t.dim() == 5 and t.shape[0] == 2:
             _, _, bs, heads, d = t.shape
-            return cls(layers, "flash", heads, bs, d)
+            return cls(layers, names, "flash", heads, bs, d)
         raise UnsupportedLayout(f"KV cache shape {tuple(t.shape)} is not a known layout")
 
     @property
@@ -77,26 +83,40 @@ class PagedKV:
     def block_shape(self) -> tuple[int, int, int, int, int]:
         return (len(self.layers), 2, self.kv_heads, self.block_size, self.head_dim)
 
+    def index(self, name: str) -> int:
+        """The position of vLLM's layer `name` in `layers` (-1: not a layer we registered)."""
+        return self._index.get(name, -1)
+
+    def gather_layer(self, li: int, block_ids: Sequence[int], out: torch.Tensor) -> None:
+        """Copy layer `li` of the blocks into `out` ([n, k|v, head, token, dim]): one layer's
+        slice of each block payload, written as soon as vLLM has computed that layer.
+
+        The CPU layout is copied block by block: one strided copy each, about 4-10x faster
+        here than an `index_select` (a copy) followed by a permuted copy of it."""
+        kv = self.layers[li]
+        if self.kind == "cpu":
+            paged = kv.view(kv.shape[0], self.kv_heads, 2, self.block_size, self.head_dim)
+            for j, b in enumerate(block_ids):
+                out[j].copy_(paged[b].permute(1, 0, 2, 3))
+        else:
+            idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=kv.device)
+            out.copy_(kv.index_select(1, idx).permute(1, 0, 3, 2, 4))
+
     def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
         """Copy blocks into `out` ([n, layer, k|v, head, token, dim], contiguous)."""
-        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.layers[0].device)
-        n = len(block_ids)
-        h, bs, d = self.kv_heads, self.block_size, self.head_dim
-        for li, kv in enumerate(self.layers):
-            if self.kind == "cpu":
-                src = kv.index_select(0, idx).view(n, h, 2, bs, d).permute(0, 2, 1, 3, 4)
-            else:
-                src = kv.index_select(1, idx).permute(1, 0, 3, 2, 4)
-            out[:, li].copy_(src)
+        for li in range(len(self.layers)):
+            self.gather_layer(li, block_ids, out[:, li])
 
     def scatter(self, block_ids: Sequence[int], src: torch.Tensor) -> None:
-        """Copy blocks from `src` ([n, layer, k|v, head, token, dim]) into the paged KV."""
-        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.layers[0].device)
-        n = len(block_ids)
-        h, bs, d = self.kv_heads, self.block_size, self.head_dim
+        """Copy blocks from `src` ([n, layer, k|v, head, token, dim]) into the paged KV (the
+        CPU layout block by block, as in `gather_layer`)."""
+        ids = list(block_ids)
+        idx = torch.as_tensor(ids, dtype=torch.long, device=self.layers[0].device)
         for li, kv in enumerate(self.layers):
             part = src[:, li].to(kv.device, non_blocking=True)
             if self.kind == "cpu":
-                kv.index_copy_(0, idx, part.permute(0, 2, 1, 3, 4).reshape(n, h, bs, 2 * d))
+                paged = kv.view(kv.shape[0], self.kv_heads, 2, self.block_size, self.head_dim)
+                for j, b in enumerate(ids):
+                    paged[b].copy_(part[j].permute(1, 0, 2, 3))
             else:
                 kv.index_copy_(1, idx, part.permute(1, 0, 3, 2, 4))

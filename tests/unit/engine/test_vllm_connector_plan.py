@@ -84,12 +84,34 @@ def test_local_hits_are_not_loaded_and_new_blocks_saved_as_chunks_complete() -> 
         new=[NS(req_id="r", block_ids=([3, 4, 5],), num_computed_tokens=2 * BS)],
         scheduled={"r": 4}))  # chunked prefill: tokens 8..11 this step
     assert [(ld.keys, ld.block_ids) for ld in m1.loads] == [([K[1]], [4])]
-    assert [(s.keys, s.block_ids, s.segment) for s in m1.saves] == [([K[2]], [5], "seg-d")]
+    assert [(s.keys, s.block_ids, s.segments) for s in m1.saves] == [([K[2]], [5], ("seg-d",))]
     m2 = c.build_connector_meta(_step(
         cached=[NS(req_id="r", new_block_ids=([6, 11],), num_computed=3 * BS)],
         scheduled={"r": 5}))  # the rest of the prompt
     assert [(s.keys, s.block_ids) for s in m2.saves] == [([K[3]], [6])]
     assert m2.loads == []
+
+
+@pytest.mark.parametrize(("home", "write", "want"), [
+    ("seg-p", "seg-d", ("seg-p", "seg-d")),  # a copy on the prefill's host and one by decode
+    ("seg-d", "seg-d", ("seg-d",)),  # the same segment: one copy
+    ("", "seg-d", ("seg-d",)),
+    ("seg-p", "", ("seg-p",)),
+    (7, None, ()),  # malformed: the store places one copy
+])
+def test_new_blocks_get_a_replica_on_each_planned_segment(home: Any, write: Any,
+                                                          want: tuple[str, ...]) -> None:
+    c = _connector()
+    req = _request("r", 9, keys=[K[0], K[1]], reuse=1, home_segment=home, write_segment=write,
+                   keep_on="seg-p")
+    assert c.get_num_new_matched_tokens(req, 0) == (BS, False)
+    c.update_state_after_alloc(req, None, BS)
+    meta = c.build_connector_meta(_step(
+        new=[NS(req_id="r", block_ids=([1, 2, 3],), num_computed_tokens=BS)],
+        scheduled={"r": 5}))
+    assert [(s.keys, s.segments) for s in meta.saves] == [([K[1]], want)]
+    # What it reads from another host is kept on the segment the plan names.
+    assert [(ld.keys, ld.keep_on) for ld in meta.loads] == [([K[0]], "seg-p")]
 
 
 def test_preempted_request_loads_again_into_its_new_blocks() -> None:
