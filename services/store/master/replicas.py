@@ -44,13 +44,14 @@ _CMD = pb.NodeCommand
 class Adding:
     """A replica being added: its object, where it goes, until when."""
 
-    __slots__ = ("deadline", "incarnation", "obj", "rep", "replica_id")
+    __slots__ = ("deadline", "host", "incarnation", "obj", "rep", "replica_id")
 
     def __init__(self, replica_id: int, obj: Obj, rep: Rep, deadline: float) -> None:
         self.replica_id = replica_id
         self.obj = obj
         self.rep = rep
         self.incarnation = rep.seg.node.incarnation
+        self.host = rep.seg.node.host_id  # as it was when the replica started
         self.deadline = deadline
 
 
@@ -63,6 +64,7 @@ class ReplicaAdds:
         self._tiers = tiers
         self.timeout_s = timeout_s
         self._adding: OrderedDict[int, Adding] = OrderedDict()  # deadline order
+        self._hosts: set[tuple[str, str]] = set()  # (key, host) of every replica being added
 
     def replica_start(self, keys: Sequence[str], segment: str) -> list[pb.ReplicaStartResult]:
         """Space on `segment` for a new replica of each object; a refusal per item (see the
@@ -100,15 +102,14 @@ class ReplicaAdds:
         rep = Rep(seg, off)
         add = Adding(self._cat.new_id(), obj, rep, self._cat.now() + self.timeout_s)
         self._adding[add.replica_id] = add
+        self._hosts.add((key, host))
         return pb.ReplicaStartResult(replica_id=add.replica_id, replica=rep_pb(rep), size=size,
                                      checksum=obj.checksum)
 
     def _on_host(self, obj: Obj, host: str) -> bool:
         """Whether `obj` has a replica on `host`, or one is being added there."""
-        if any(r.seg.node.host_id == host for r in obj.reps):
-            return True
-        return any(a.obj is obj and a.rep.seg.node.host_id == host
-                   for a in self._adding.values())
+        return ((obj.key, host) in self._hosts
+                or any(r.seg.node.host_id == host for r in obj.reps))
 
     def replica_end(
         self, items: Sequence[pb.ReplicaEndItem]
@@ -146,7 +147,7 @@ class ReplicaAdds:
                     "object or node left"), pb.ERROR_NOT_FOUND, None
         if add.obj.key != it.key:
             return f"replica {it.replica_id} is for another key", pb.ERROR_INVALID, None
-        del self._adding[it.replica_id]
+        self._forget(add)
         if it.revoke:
             self._free(add)
             return "", pb.ERROR_NONE, None
@@ -177,6 +178,10 @@ class ReplicaAdds:
             return f"object {key!r} got a replica on that host meanwhile", pb.ERROR_EXISTS
         return None
 
+    def _forget(self, add: Adding) -> None:
+        del self._adding[add.replica_id]
+        self._hosts.discard((add.obj.key, add.host))
+
     def _free(self, add: Adding) -> None:
         seg = add.rep.seg
         if seg.alive and seg.node.incarnation == add.incarnation:
@@ -190,7 +195,7 @@ class ReplicaAdds:
             add = next(iter(self._adding.values()))
             if add.deadline > now:
                 break
-            del self._adding[add.replica_id]
+            self._forget(add)
             log.info("added replica timed out", extra={"key": add.obj.key,
                                                         "segment": add.rep.seg.name})
             self._free(add)
@@ -199,7 +204,7 @@ class ReplicaAdds:
         """Forget the replicas being added on `node` (it died or restarted: what was written
         there is gone); their space is freed where the segment is still the master's."""
         for add in [a for a in self._adding.values() if a.rep.seg.node is node]:
-            del self._adding[add.replica_id]
+            self._forget(add)
             seg = add.rep.seg
             if seg.alive:
                 seg.alloc.free(add.rep.offset, add.obj.size)
