@@ -10,6 +10,17 @@ The load gauges are set at scrape time from the instances' latest load reports
   KV tokens: (capacity - free) + the decode queue above. The autoscaler divides it by
   `targetQueueTokensPerDecode`; a running sequence counts what its KV holds, so a decode pool
   busy with long generations shows as loaded even when nothing waits.
+
+Instances and failures (how a partition shows):
+
+- `mooncake_conductor_instances{role,state}`: instances by state, `ready` (routed to),
+  `unreachable` (its load polls time out or find nothing listening: a partitioned host, a dead
+  or paused process) or `unready` (it answers but is loading, draining, serves another
+  tokenizer, or just failed a request).
+- `mooncake_conductor_reroutes_total{role,cause}`: calls the Conductor gave up on one instance,
+  moving the request to another (a retry before the client saw output, a resume after):
+  `cause` is `unreachable` (abandoned: the instance stopped answering its polls while the call
+  waited) or the gRPC status the call failed with (`unavailable`, `deadline_exceeded`, ...).
 """
 
 from __future__ import annotations
@@ -27,6 +38,8 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 6
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _RESUME_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+INSTANCE_STATES = ("ready", "unready", "unreachable")
+"""`Instance.state`'s values, each exported (at 0 too) for every role."""
 
 
 class ConductorMetrics:
@@ -64,6 +77,12 @@ class ConductorMetrics:
                                ["role", "state"], registry=r)
         self.retries = Counter("mooncake_conductor_retries_total",
                                "Requests that needed another attempt", registry=r)
+        self.reroutes = Counter(
+            "mooncake_conductor_reroutes_total",
+            "Calls given up on an instance (failed, or abandoned as unreachable) whose request "
+            "went on to another instance", ["role", "cause"], registry=r)
+        for role in ("prefill", "decode"):  # exported (at 0) before the first partition
+            self.reroutes.labels(role, "unreachable")
         self.resumes = Counter(
             "mooncake_conductor_resumes_total",
             "Streams resumed on another decode instance after theirs failed mid-stream",
@@ -83,8 +102,8 @@ class ConductorMetrics:
         """Set the instance and load gauges from the latest load reports (at scrape time)."""
         for role, pool in (("prefill", list(prefills)), ("decode", list(decodes))):
             ok = [i for i in pool if i.usable]
-            self.instances.labels(role, "ready").set(len(ok))
-            self.instances.labels(role, "unready").set(len(pool) - len(ok))
+            for state in INSTANCE_STATES:
+                self.instances.labels(role, state).set(sum(i.state == state for i in pool))
             reports = [i.report for i in ok if i.report is not None]
             self.queue_tokens.labels(role).set(sum(r.queued_tokens for r in reports))
             if role == "decode":

@@ -5,6 +5,15 @@ Kubernetes headless Service, re-resolved every poll so scaling shows up by itsel
 polled for its load report; one that fails a poll or a request is out of rotation until it
 answers again. Between polls the Conductor adds what it has itself sent (`inflight`), so a burst
 of requests does not all pick the instance that looked idle a moment ago.
+
+A partitioned host (link down, processes alive) answers nothing and resets nothing: a call to it
+waits for its deadline (the prefill call's is long: a long prompt on a CPU takes minutes). So a
+poll that times out or finds the instance unavailable marks it *unreachable* at once (not routed
+to), and after `lost_after` such polls in a row (about 5 s with the defaults) the instance is
+*lost*: calls still waiting on it are abandoned (`Instance.lost`, `until_answered`) and their
+requests retried on another instance. A lost instance also gets a fresh channel on every poll:
+the old connection's TCP retransmissions back off for tens of seconds after a long partition,
+while a new connection answers within a round trip once the link is back.
 """
 
 from __future__ import annotations
@@ -14,8 +23,9 @@ import contextlib
 import logging
 import socket
 import time
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import grpc
 
@@ -23,8 +33,29 @@ from mooncake_k8s.common import auth, serving_rpc
 from mooncake_k8s.common.rpc import serving_pb2 as pb
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _MAX_MSG = 64 << 20
+_UNREACHABLE = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+"""Poll failures that say nothing answered (a partition, a dead or paused process)."""
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", _MAX_MSG),
+    ("grpc.max_send_message_length", _MAX_MSG),
+    # Its own connection, not one shared with an older channel to the same address: a fresh
+    # channel for a lost instance must not inherit the stuck connection it replaces.
+    ("grpc.use_local_subchannel_pool", 1),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
+class Unreachable(Exception):
+    """A call was abandoned because its instance stopped answering polls (`Instance.lost`)."""
+
+
+def new_channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
 
 
 @dataclass
@@ -40,6 +71,13 @@ class Instance:
     inflight_tokens: int = 0
     tokenizer: str = ""
     """The Conductor's tokenizer fingerprint ("" until it is loaded)."""
+    unreachable: bool = False
+    """The latest poll timed out or found nothing listening (a partition, a dead process)."""
+    missed_polls: int = 0
+    """Polls in a row that failed as unreachable."""
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set while the instance is lost (`InstancePool.lost_after` polls missed in a row): calls
+    waiting on it give up (`until_answered`). Cleared when it answers a poll again."""
     _stub: Any = None
 
     @property
@@ -49,6 +87,19 @@ class Instance:
         if self._stub is None:
             self._stub = serving_rpc.stub(self.role, self.channel)
         return self._stub
+
+    def set_channel(self, channel: grpc.aio.Channel) -> None:
+        self.channel = channel
+        self._stub = None
+
+    @property
+    def state(self) -> str:
+        """For the `mooncake_conductor_instances` gauge: "ready" (routed to), "unreachable"
+        (polls time out or find nothing listening), or "unready" (answers but is loading,
+        draining, failed a request, or serves another tokenizer)."""
+        if self.usable:
+            return "ready"
+        return "unreachable" if self.unreachable else "unready"
 
     @property
     def usable(self) -> bool:
@@ -87,11 +138,43 @@ async def resolve(target: str) -> list[str]:
     return sorted({f"{i[4][0]}:{port}" for i in infos})
 
 
+async def until_answered(inst: Instance, call: Awaitable[T]) -> T:
+    """`call`'s result, unless `inst` is lost first (`InstancePool.lost_after` polls missed):
+    then the call is cancelled and `Unreachable` raised, so the request can be retried on
+    another instance instead of waiting out a deadline on a host that answers nothing."""
+    if inst.lost.is_set():
+        cancel = getattr(call, "cancel", None)
+        if cancel is not None:
+            cancel()
+        elif asyncio.iscoroutine(call):
+            call.close()
+        raise Unreachable(f"{inst.role} {inst.instance_id} is unreachable")
+    work: asyncio.Future[T] = asyncio.ensure_future(call)
+    lost = asyncio.ensure_future(inst.lost.wait())
+    try:
+        await asyncio.wait((work, lost), return_when=asyncio.FIRST_COMPLETED)
+        if work.done():
+            return work.result()
+        raise Unreachable(f"{inst.role} {inst.instance_id} stopped answering "
+                          f"({inst.last_error or 'polls time out'})")
+    finally:
+        lost.cancel()
+        if not work.done():
+            work.cancel()
+
+
 class InstancePool:
     """All instances of one role, kept fresh by a background poll."""
 
     def __init__(self, role: str, spec: str, token: str, poll_interval_s: float = 0.5,
-                 rpc_timeout_s: float = 2.0) -> None:
+                 rpc_timeout_s: float = 2.0, lost_after: int = 2) -> None:
+        if lost_after < 1:
+            raise ValueError(f"lost_after must be >= 1, got {lost_after}")
+        self.lost_after = lost_after
+        """Unreachable polls in a row after which calls waiting on the instance are abandoned:
+        one slow poll (a busy host) only keeps new requests away; two in a row, about
+        2 x `rpc_timeout_s` + `poll_interval_s` of silence, give up on the calls too."""
+        self._retired: set[asyncio.Task[None]] = set()
         self.role = role
         self.targets = parse_targets(spec)
         self.instances: dict[str, Instance] = {}
@@ -125,6 +208,8 @@ class InstancePool:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        for t in list(self._retired):
+            t.cancel()
         for inst in self.instances.values():
             await inst.channel.close(None)
 
@@ -156,10 +241,8 @@ class InstancePool:
             await inst.channel.close(None)
         for a in addresses:
             if a not in self.instances:
-                ch = grpc.aio.insecure_channel(a, options=[
-                    ("grpc.max_receive_message_length", _MAX_MSG),
-                    ("grpc.max_send_message_length", _MAX_MSG)])
-                self.instances[a] = Instance(a, self.role, ch, tokenizer=self.tokenizer)
+                self.instances[a] = Instance(a, self.role, new_channel(a),
+                                             tokenizer=self.tokenizer)
         await asyncio.gather(*(self._poll(i) for i in self.instances.values()))
         self.changed.set()
 
@@ -170,12 +253,41 @@ class InstancePool:
         except grpc.aio.AioRpcError as e:
             if inst.healthy or not inst.last_error:
                 self.mark_failed(inst, f"{e.code().name}: {e.details()}")
+            if e.code() in _UNREACHABLE:
+                self._missed(inst)
             return
         was = inst.usable
+        if inst.lost.is_set():
+            log.info("instance reachable again", extra={
+                "role": self.role, "address": inst.address, "instance_id": rep.instance_id,
+                "unreachable_s": round(time.monotonic() - inst.last_ok, 1)})
         inst.report = rep
         inst.healthy = True
+        inst.unreachable = False
+        inst.missed_polls = 0
+        inst.lost.clear()
         inst.last_ok = time.monotonic()
         inst.last_error = ""
         if inst.usable and not was:
             log.info("instance ready", extra={"role": self.role, "address": inst.address,
                                                "instance_id": rep.instance_id})
+
+    def _missed(self, inst: Instance) -> None:
+        """A poll found nothing answering: unreachable now, lost after `lost_after` in a row.
+        A lost instance's calls are abandoned (they wait on `inst.lost`) and it gets a fresh
+        channel each poll (see the module's docstring); the old one is closed once the calls
+        abandoned on it have had a moment to go."""
+        inst.unreachable = True
+        inst.missed_polls += 1
+        if inst.missed_polls < self.lost_after:
+            return
+        if not inst.lost.is_set():
+            log.warning("instance unreachable: abandoning its calls", extra={
+                "role": self.role, "address": inst.address, "instance_id": inst.instance_id,
+                "missed_polls": inst.missed_polls, "inflight": inst.inflight})
+            inst.lost.set()
+        old = inst.channel
+        inst.set_channel(new_channel(inst.address))
+        task = asyncio.create_task(old.close(grace=self._timeout))
+        self._retired.add(task)
+        task.add_done_callback(self._retired.discard)

@@ -37,7 +37,12 @@ from mooncake_k8s.conductor.serving.errors import (
     WorkerFailed,
     WorkerRefused,
 )
-from mooncake_k8s.conductor.serving.instances import Instance, InstancePool
+from mooncake_k8s.conductor.serving.instances import (
+    Instance,
+    InstancePool,
+    Unreachable,
+    until_answered,
+)
 from mooncake_k8s.conductor.serving.resume import (
     DecodeLost,
     resume_candidates,
@@ -162,7 +167,7 @@ class Pipeline:
                     continue
             try:
                 resp = await self._prefill(gen, route, attempt)
-            except grpc.aio.AioRpcError as e:
+            except (grpc.aio.AioRpcError, Unreachable) as e:
                 last_error = self._fail(self.prefills, route.prefill, e)
                 continue
             yield self._first(resp, out, lost)
@@ -175,7 +180,7 @@ class Pipeline:
                     async for chunk in chunks:
                         yield self._next(chunk, out)
                 return
-            except grpc.aio.AioRpcError as e:
+            except (grpc.aio.AioRpcError, Unreachable) as e:
                 raise self._lost(route.decode, e) from e
         if lost is not None:
             raise self._resume_failed(lost, f"resuming failed after {self.attempts} attempts: "
@@ -232,7 +237,7 @@ class Pipeline:
         out.finish_reason = reason
         return Delta(chunk.text, chunk.token_id, reason)
 
-    def _lost(self, inst: Instance, e: grpc.aio.AioRpcError) -> DecodeLost:
+    def _lost(self, inst: Instance, e: grpc.aio.AioRpcError | Unreachable) -> DecodeLost:
         """A decode failure after the client saw output (an error no other instance would
         answer differently, such as INVALID_ARGUMENT, raises WorkerRefused instead)."""
         msg = self._fail(self.decodes, inst, e)
@@ -265,7 +270,7 @@ class Pipeline:
         try:
             try:
                 resp = await self._prefill(gen, route, attempt, plan)
-            except grpc.aio.AioRpcError as e:
+            except (grpc.aio.AioRpcError, Unreachable) as e:
                 raise _Retry(self._fail(self.prefills, route.prefill, e)) from e
             yield self._first(resp, out, lost)
             if resp.finished:
@@ -274,7 +279,7 @@ class Pipeline:
                 item = await chunks.get()
                 if item is None:
                     return
-                if isinstance(item, grpc.aio.AioRpcError):
+                if isinstance(item, (grpc.aio.AioRpcError, Unreachable)):
                     raise self._lost(route.decode, item) from item
                 if isinstance(item, BaseException):
                     raise item
@@ -282,7 +287,12 @@ class Pipeline:
         finally:
             task.cancel()
 
-    def _fail(self, pool: InstancePool, inst: Instance, e: grpc.aio.AioRpcError) -> str:
+    def _fail(self, pool: InstancePool, inst: Instance,
+              e: grpc.aio.AioRpcError | Unreachable) -> str:
+        """Why the attempt failed, after taking the instance out of rotation where the failure
+        says it is gone; raises when no other instance would answer differently."""
+        if isinstance(e, Unreachable):
+            return self._abandoned(pool, inst, e)
         msg = f"{pool.role} {inst.instance_id}: {e.code().name}: {e.details()}"
         if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
             raise WorkerRefused(e.details() or "invalid request") from e
@@ -291,7 +301,21 @@ class Pipeline:
         if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
             pool.mark_failed(inst, msg)
         log.warning("attempt failed", extra={"error": msg})
+        self._rerouted(pool.role, e.code().name.lower())
         return msg
+
+    def _abandoned(self, pool: InstancePool, inst: Instance, e: Unreachable) -> str:
+        """A call given up on because its instance stopped answering (a partition): the
+        instance is already out of rotation; the attempt goes to another one."""
+        msg = f"{pool.role} {inst.instance_id}: unreachable: {e}"
+        pool.mark_failed(inst, msg)
+        log.warning("attempt abandoned: instance unreachable", extra={"error": msg})
+        self._rerouted(pool.role, "unreachable")
+        return msg
+
+    def _rerouted(self, role: str, cause: str) -> None:
+        if self.metrics is not None:
+            self.metrics.reroutes.labels(role, cause).inc()
 
     async def _prefill(self, gen: Generation, route: Route, attempt: int,
                        plan: pb.KVPlan | None = None) -> pb.PrefillResponse:
@@ -308,8 +332,8 @@ class Pipeline:
                     plan=route.plan if plan is None else plan,
                     use_prefix_cache=gen.use_prefix_cache, trace_context=tracing.inject(),
                 )
-                resp: pb.PrefillResponse = await inst.stub.Prefill(
-                    req, metadata=self.prefills.metadata, timeout=self.prefill_timeout_s)
+                resp: pb.PrefillResponse = await until_answered(inst, inst.stub.Prefill(
+                    req, metadata=self.prefills.metadata, timeout=self.prefill_timeout_s))
                 return resp
         finally:
             inst.inflight -= 1
@@ -329,7 +353,12 @@ class Pipeline:
                 )
                 call = inst.stub.Decode(req, metadata=self.decodes.metadata)
                 try:
-                    async for chunk in call:
+                    chunks = call.__aiter__()
+                    while True:
+                        try:
+                            chunk = await until_answered(inst, chunks.__anext__())
+                        except StopAsyncIteration:
+                            return
                         yield chunk
                 finally:
                     call.cancel()

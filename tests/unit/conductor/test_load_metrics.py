@@ -38,3 +38,24 @@ def test_no_decode_instance_reads_as_zero_load() -> None:
     m.observe_pools([], [])
     text = generate_latest(m.registry).decode()
     assert "mooncake_conductor_decode_load_tokens 0.0" in text
+
+
+def test_instances_by_state_tell_unreachable_from_unready() -> None:
+    """A partitioned instance (its polls time out) reads `unreachable`, apart from one that
+    answers but is not ready; the reroute counter exists before any partition."""
+    m = ConductorMetrics()
+    ready = Instance("p0", "prefill", None,  # type: ignore[arg-type]
+                     pb.LoadReport(role="prefill", ready=True), healthy=True)
+    silent = Instance("p1", "prefill", None,  # type: ignore[arg-type]
+                      pb.LoadReport(role="prefill", ready=True), healthy=False, unreachable=True)
+    loading = Instance("p2", "prefill", None,  # type: ignore[arg-type]
+                       pb.LoadReport(role="prefill", ready=False), healthy=True)
+    m.observe_pools([ready, silent, loading], [])
+    text = generate_latest(m.registry).decode()
+    for state, n in (("ready", 1), ("unreachable", 1), ("unready", 1)):
+        assert metric_value(text, "mooncake_conductor_instances",
+                            f'role="prefill",state="{state}"') == n, state
+    assert metric_value(text, "mooncake_conductor_instances",
+                        'role="decode",state="unreachable"') == 0
+    assert metric_value(text, "mooncake_conductor_reroutes_total",
+                        'role="prefill",cause="unreachable"') == 0

@@ -1,0 +1,59 @@
+"""`until_answered`: a call waiting on an instance gives up once the pool declares the instance
+lost (a partition), and only then; the abandoned call is cancelled, never left running."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mooncake_k8s.conductor.serving.instances import Instance, Unreachable, until_answered
+
+
+def _inst() -> Instance:
+    return Instance("10.0.0.1:1", "prefill", None, healthy=True)  # type: ignore[arg-type]
+
+
+def test_the_answer_when_it_comes_first() -> None:
+    async def main() -> None:
+        inst = _inst()
+        assert await until_answered(inst, asyncio.sleep(0.01, result="ok")) == "ok"
+        await asyncio.sleep(0)  # the watcher's cancellation lands
+        assert len(asyncio.all_tasks()) == 1  # nothing left behind but this one
+
+    asyncio.run(main())
+
+
+def test_a_lost_instance_abandons_the_waiting_call() -> None:
+    async def main() -> None:
+        inst = _inst()
+        call: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        waiter = asyncio.ensure_future(until_answered(inst, call))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        inst.last_error = "DEADLINE_EXCEEDED: Deadline Exceeded"
+        inst.lost.set()
+        with pytest.raises(Unreachable, match=r"prefill 10\.0\.0\.1:1 stopped answering"):
+            await waiter
+        assert call.cancelled()
+        # While it stays lost, a new call gives up at once, without starting.
+        started = asyncio.get_running_loop().create_future()
+        with pytest.raises(Unreachable, match="is unreachable"):
+            await until_answered(inst, started)
+        assert started.cancelled()
+
+    asyncio.run(main())
+
+
+def test_cancelling_the_waiter_cancels_the_call() -> None:
+    async def main() -> None:
+        inst = _inst()
+        call: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        waiter = asyncio.ensure_future(until_answered(inst, call))
+        await asyncio.sleep(0.05)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert call.cancelled()
+
+    asyncio.run(main())
