@@ -133,13 +133,6 @@ def _segments(params: dict[str, Any]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(s for s in named if s))
 
 
-def _flag(configured: Any, env: str) -> bool:
-    """A switch from the connector's extra config, else from the environment."""
-    if isinstance(configured, bool):
-        return configured
-    return env.strip().lower() not in ("0", "false", "no", "off")
-
-
 def _store_client(extra: dict[str, Any]) -> Any:
     from mooncake_k8s.store.client import StoreClient
 
@@ -179,8 +172,7 @@ class MooncakeK8sConnector(KVConnectorBase_V1):  # type: ignore[misc]
                                layers_hooked=0, layers_late=0, streamed=0)
             self._staging = np.empty(0, dtype=np.uint8)
             self._step: tuple[MooncakeMeta, StepSave] | None = None
-            self._stream_saves = _flag(extra.get("stream_saves"),
-                                       os.environ.get("MOONCAKE_VLLM_STREAM_SAVES", "1"))
+            self._stream_saves = extra.get("stream_saves", True) is not False
 
     # -- shared ----------------------------------------------------------------------------
 
@@ -418,8 +410,10 @@ class MooncakeK8sConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         if self._paged is None or not isinstance(meta, MooncakeMeta) or not meta.saves:
             return None
-        if self._step is not None and self._step[0] is meta:
-            return self._step[1]
+        if self._step is not None:
+            if self._step[0] is meta:
+                return self._step[1]
+            self._step[1].sink.abort()  # a step that never reached wait_for_save
         assert self._layout is not None
         staging = self._buffer(sum(len(g.keys) for g in meta.saves))
         step = StepSave(self._paged, self._layout, self._bs, meta.saves, staging,

@@ -47,6 +47,8 @@ class LayerSink(Protocol):
 
     def layer(self, li: int, lo: int, hi: int) -> None: ...
 
+    def abort(self) -> None: ...
+
     def commit(self, groups: Sequence[SaveGroup], objects: np.ndarray
                ) -> list[list[Exception | None]]: ...
 
@@ -123,6 +125,9 @@ class PutAtCommit:
     def layer(self, li: int, lo: int, hi: int) -> None:
         """Nothing to send before the whole objects are ready."""
 
+    def abort(self) -> None:
+        """Nothing was sent."""
+
     def commit(self, groups: Sequence[SaveGroup], objects: np.ndarray
                ) -> list[list[Exception | None]]:
         out: list[list[Exception | None]] = []
@@ -159,6 +164,10 @@ class StreamSink:
     def layer(self, li: int, lo: int, hi: int) -> None:
         for i in range(len(self._stream.keys)):
             self._stream.ready(i, lo, hi)
+
+    def abort(self) -> None:
+        """Nothing is committed; the leased space is released."""
+        self._stream.abort()
 
     def commit(self, groups: Sequence[SaveGroup], objects: np.ndarray
                ) -> list[list[Exception | None]]:

@@ -208,3 +208,16 @@ def test_blocks_read_from_another_host_are_kept_where_the_plan_says(
         assert torch.equal(dst[n][[7, 8]], src[n][[3, 4]])
     saver.shutdown()
     loader.shutdown()
+
+
+def test_a_step_that_never_reached_wait_for_save_is_dropped_not_committed(
+        cluster: StoreCluster, store: StoreClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    caches = _caches(7)
+    c = _worker(cluster, monkeypatch, caches)
+    lost, kept = _keys("lost", 1), _keys("kept", 1)
+    c.bind_connector_metadata(MooncakeMeta(saves=[SaveGroup(lost, [2])]))
+    c.save_kv_layer(NAMES[0], caches[NAMES[0]], object())  # the forward pass failed here
+    _step(c, MooncakeMeta(saves=[SaveGroup(kept, [3])]), NAMES)
+    assert store.exists(lost + kept) == [False, True]
+    assert bytes(store.get(kept[0])) == _whole_blocks(caches, [3])[0]
+    c.shutdown()
