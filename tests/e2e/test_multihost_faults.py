@@ -23,7 +23,7 @@ from mooncake_k8s.testbed import Testbed
 from mooncake_k8s.testbed.cluster import BedCluster, BedConfig
 from mooncake_k8s.up import LocalCluster, UpConfig
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = pytest.mark.timeout(600)  # two clusters start; a busy shared box is slow
 
 MODEL = "SmolLM2-135M-Instruct"
 WORDS = ["amber", "basalt", "cobalt", "dune", "ember", "fjord", "glacier", "harbor", "island",
