@@ -198,7 +198,7 @@ class EmbeddedPrefill(_Embedded):
             results = [*sink.put.finish(skip=skip), _NOT_STORED][: len(blocks) + 1]
             wanted = len(blocks) + (tail is not None)
             failed = sum(_redo(r) for r in results[:wanted])
-            self.streamed_objects += wanted - failed
+            self.streamed_objects += sum(r is None for r in results[:wanted])
             self.stream_fallbacks += failed
             if failed:
                 log.warning("layer-wise KV stream could not store every block; putting them",
