@@ -4,9 +4,10 @@ directions while keeping every connection open, as a link that is down does (no 
 the process is alive, nothing reaches it).
 
 A prefill call waiting on the worker is abandoned (`Unreachable`) once the pool has missed
-`lost_after` polls, the instance reads `unreachable` (not routed to) meanwhile, and it is back
-in rotation once the relay moves bytes again. A call waiting on a worker that still answers its
-polls (its engine hung on purpose) is never abandoned: only a silent instance is.
+`lost_after` polls and another instance is usable, the instance reads `unreachable` (not routed
+to) meanwhile, and it is back in rotation once the relay moves bytes again. A call waiting on a
+worker that still answers its polls (its engine hung on purpose) is never abandoned, nor one
+with no other instance to go to.
 """
 
 from __future__ import annotations
@@ -26,7 +27,12 @@ from prometheus_client import generate_latest
 from mooncake_k8s.common.netutil import free_port
 from mooncake_k8s.common.rpc import serving_pb2 as pb
 from mooncake_k8s.conductor.metrics import ConductorMetrics
-from mooncake_k8s.conductor.serving.instances import InstancePool, Unreachable, until_answered
+from mooncake_k8s.conductor.serving.instances import (
+    Instance,
+    InstancePool,
+    Unreachable,
+    until_answered,
+)
 from mooncake_k8s.store.testing import metric_value
 
 TOKEN = "partition-test-token"
@@ -104,8 +110,8 @@ async def _until(cond: Callable[[], bool], what: str, timeout: float = 150.0) ->
         await asyncio.sleep(0.05)
 
 
-def _prefill_call(pool: InstancePool) -> Coroutine[Any, Any, pb.PrefillResponse]:
-    inst = next(iter(pool.instances.values()))
+def _prefill_call(pool: InstancePool,
+                  inst: Instance) -> Coroutine[Any, Any, pb.PrefillResponse]:
     req = pb.PrefillRequest(request_id="r1", token_ids=[1, 2, 3, 4],
                             sampling=pb.Sampling(max_tokens=4))
     return until_answered(inst, inst.stub.Prefill(req, metadata=pool.metadata, timeout=600))
@@ -119,42 +125,55 @@ def _states(pool: InstancePool) -> str:
 
 def test_a_call_on_a_partitioned_instance_is_abandoned_and_the_instance_comes_back(
         worker: int) -> None:
+    """Two instances (two relays to the one worker): `a` is partitioned while a call waits on
+    it; `b` stays reachable, so `a`'s call is abandoned. Then `b` is partitioned too, with
+    nowhere left to go: its call waits on (its own deadline bounds it)."""
     async def main() -> None:
-        relay = Relay(worker)
-        await relay.start()
-        pool = InstancePool("prefill", f"127.0.0.1:{relay.port}", TOKEN,
+        ra, rb = Relay(worker), Relay(worker)
+        await ra.start()
+        await rb.start()
+        pool = InstancePool("prefill", f"127.0.0.1:{ra.port},127.0.0.1:{rb.port}", TOKEN,
                             poll_interval_s=0.2, rpc_timeout_s=1.0, lost_after=2)
         await pool.start()
+        calls: list[asyncio.Future[pb.PrefillResponse]] = []
         try:
-            await _until(lambda: bool(pool.usable()), "the worker's model loaded")
-            inst = pool.usable()[0]
-            call = asyncio.ensure_future(_prefill_call(pool))
-            # Reachable but slow (the engine hangs): polls answer, the call is left alone.
+            await _until(lambda: len(pool.usable()) == 2, "the worker's model loaded")
+            a, b = (pool.instances[f"127.0.0.1:{r.port}"] for r in (ra, rb))
+            calls = [asyncio.ensure_future(_prefill_call(pool, i)) for i in (a, b)]
+            # Reachable but slow (the engine hangs): polls answer, the calls are left alone.
             await asyncio.sleep(2.5)
-            assert not call.done() and inst.usable and not inst.unreachable
+            assert not any(c.done() for c in calls) and a.usable and not a.unreachable
 
-            relay.up.clear()  # the link goes down; the process lives on
-            await _until(lambda: inst.unreachable, "marked unreachable", 30)
-            assert not pool.usable()  # not routed to from the first missed poll
+            ra.up.clear()  # a's link goes down; the process lives on
+            await _until(lambda: a.unreachable, "marked unreachable", 30)
+            assert pool.usable() == [b]  # not routed to from the first missed poll
             with pytest.raises(Unreachable, match="stopped answering"):
-                await asyncio.wait_for(call, 30)  # abandoned after lost_after missed polls
-            assert inst.lost.is_set()
+                await asyncio.wait_for(calls[0], 30)  # abandoned after lost_after missed polls
+            assert a.lost.is_set()
             text = _states(pool)
-            assert metric_value(text, "mooncake_conductor_instances",
-                                'role="prefill",state="unreachable"') == 1
-            assert metric_value(text, "mooncake_conductor_instances",
-                                'role="prefill",state="ready"') == 0
+            for state, n in (("unreachable", 1), ("ready", 1)):
+                assert metric_value(text, "mooncake_conductor_instances",
+                                    f'role="prefill",state="{state}"') == n, state
             # A call started while the instance is lost gives up at once.
             with pytest.raises(Unreachable):
-                await _prefill_call(pool)
+                await _prefill_call(pool, a)
 
-            relay.up.set()  # the link is back
-            await _until(lambda: bool(pool.usable()), "back in rotation", 60)
-            assert not inst.lost.is_set() and not inst.unreachable
+            rb.up.clear()  # b too: no instance is left to retry on
+            await _until(lambda: b.missed_polls >= 4, "b missed its polls", 30)
+            assert b.unreachable and not b.lost.is_set() and not calls[1].done()
+
+            ra.up.set()  # the links are back
+            rb.up.set()
+            await _until(lambda: len(pool.usable()) == 2, "back in rotation", 60)
+            assert not a.lost.is_set() and not a.unreachable
+            assert not calls[1].done()  # b's call survived the partition
             assert metric_value(_states(pool), "mooncake_conductor_instances",
-                                'role="prefill",state="ready"') == 1
+                                'role="prefill",state="ready"') == 2
         finally:
+            for c in calls:
+                c.cancel()
             await pool.close()
-            await relay.close()
+            await ra.close()
+            await rb.close()
 
     asyncio.run(main())
