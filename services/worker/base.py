@@ -379,12 +379,7 @@ class _EngineCounters:
 
 class _KeepCounters:
     """What this worker's store client kept of the blocks it read from another host (the
-    plan's `keep_fetched`, hot-block replication), read at scrape time. The client's counters
-    arrive with the store's keep (`StoreClient.kept_blocks`...); until then nothing is
-    exported."""
-
-    _OUTCOMES = (("kept", "kept_blocks"), ("skipped", "keep_skipped"),
-                 ("failed", "keep_failures"))
+    plan's `keep_fetched`, hot-block replication), read at scrape time."""
 
     def __init__(self, store: StoreClient) -> None:
         self.store = store
@@ -397,14 +392,10 @@ class _KeepCounters:
             "mooncake_worker_keep_blocks", "Blocks read from another host and kept on this "
             "host: kept, skipped (this host had a copy already) or failed (no room, gone)",
             labels=["outcome"])
-        found = False
-        for outcome, attr in self._OUTCOMES:
-            value = getattr(self.store, attr, None)
-            if isinstance(value, int):
-                fam.add_metric([outcome], value)
-                found = True
-        if found:
-            yield fam
+        fam.add_metric(["kept"], self.store.kept_blocks)
+        fam.add_metric(["skipped"], self.store.keep_skipped)
+        fam.add_metric(["failed"], self.store.keep_failures)
+        yield fam
 
 
 def run_worker(worker: Worker[E]) -> None:
