@@ -271,11 +271,16 @@ def decode_header(data: Any) -> BlockHeader:
     return BlockHeader(layout, tokens, plen, pcsum)
 
 
-def decode_block(data: Any, expected: BlockLayout | None = None) -> tuple[BlockHeader, memoryview]:
+def decode_block(
+    data: Any, expected: BlockLayout | None = None, *, check_payload: bool = True
+) -> tuple[BlockHeader, memoryview]:
     """Verify a whole block and return its header and a view of its payload.
 
     Raises IntegrityError on any mismatch: wrong magic, version, shape, length or checksum,
     or a layout other than `expected`. Callers treat that as a cache miss.
+    `check_payload=False` skips hashing the payload, for bytes that were just verified against
+    a checksum covering the whole object (the store's, checked during the copy out of it): the
+    header (with its own checksum), layout and lengths are still checked.
     """
     view = byte_view(data)
     header = decode_header(view)
@@ -286,6 +291,6 @@ def decode_block(data: Any, expected: BlockLayout | None = None) -> tuple[BlockH
             f"block is {len(view)} bytes, header says {HEADER_SIZE + header.payload_len}"
         )
     payload = view[HEADER_SIZE:]
-    if checksum(payload) != header.payload_checksum:
+    if check_payload and checksum(payload) != header.payload_checksum:
         raise IntegrityError("block payload checksum mismatch")
     return header, payload

@@ -39,6 +39,7 @@ from mooncake_k8s.engine.api import (
     TokenOut,
 )
 from mooncake_k8s.engine.embedded.engine import Engine, load_engine
+from mooncake_k8s.engine.embedded.kvpool import Staging
 from mooncake_k8s.engine.embedded.structs import (
     EngineConfig,
     EngineFull,
@@ -92,6 +93,9 @@ class _Seq:
     work: DecodeWork
     blocks: list[memoryview]
     sampling: SamplingParams
+    staging: np.ndarray | None = None
+    """The buffer `blocks` view: back to the pool once the engine copied the KV out."""
+    arrived: float = 0.0
     out: queue.SimpleQueue[TokenOut | BaseException] = field(default_factory=queue.SimpleQueue)
 
 
@@ -109,6 +113,8 @@ class EmbeddedDecode(_Embedded):
         self.kv_bytes_loaded = 0
         self._steps: queue.SimpleQueue[float] = queue.SimpleQueue()
         """Durations of batched steps, drained by the service into its histogram."""
+        self._loads: queue.SimpleQueue[tuple[float, int]] = queue.SimpleQueue()
+        self._staging = Staging()
         self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
         self._thread.start()
 
@@ -126,6 +132,14 @@ class EmbeddedDecode(_Embedded):
             out.append(self._steps.get())
         return out
 
+    def load_seconds(self) -> list[tuple[float, int]]:
+        """(seconds, bytes) of each admission since the last call: from the request's arrival
+        to its KV in the engine's cache (read, verified, copied), and the KV bytes read."""
+        out: list[tuple[float, int]] = []
+        while not self._loads.empty():
+            out.append(self._loads.get())
+        return out
+
     def load(self) -> EngineLoad:
         load = self.engine.load()
         waiting = self._waiting  # the engine thread rebinds it; read one list
@@ -135,9 +149,10 @@ class EmbeddedDecode(_Embedded):
                           waiting_tokens=sum(len(s.work.token_ids) for s in waiting))
 
     def decode(self, work: DecodeWork, cancelled: threading.Event) -> Iterator[TokenOut]:
+        arrived = time.monotonic()
         with tracing.span("decode.load_kv", request_id=work.request_id):
-            blocks = self._load_kv(work)
-        seq = _Seq(work, blocks, sampling_from_pb(work.sampling))
+            seq = self._load_kv(work)
+        seq.arrived = arrived
         self._inbox.put(seq)
         self._wake.set()
         try:
@@ -159,26 +174,31 @@ class EmbeddedDecode(_Embedded):
             self._aborts.put(work.request_id)
             self._wake.set()
 
-    def _load_kv(self, work: DecodeWork) -> list[memoryview]:
-        """Every prompt block plus the tail; a missing one fails the request (the Conductor
-        retries it from prefill), since decode cannot recompute."""
+    def _load_kv(self, work: DecodeWork) -> _Seq:
+        """Every prompt block plus the tail, read into a reused staging buffer; a missing one
+        fails the request (the Conductor retries it from prefill), since decode cannot
+        recompute. Blocks read from another host are kept on the plan's `keep_on` segment
+        (hot-block replication; the store does it before returning)."""
         keys = list(work.keys)
         if work.tail_key:
             keys.append(work.tail_key)
         size = self.block_bytes
-        buf = np.empty(len(keys) * size, dtype=np.uint8)
+        buf = self._staging.take(len(keys) * size)
         mv = byte_view(buf, writable=True)
         views = [mv[i * size:(i + 1) * size] for i in range(len(keys))]
-        got = self.store.batch_get_into(keys, views)
+        got = (self.store.batch_get_into(keys, views, keep_on=work.keep_on) if work.keep_on
+               else self.store.batch_get_into(keys, views))
         missing = [k for k, n in zip(keys, got, strict=True) if n is None]
         if missing:
+            self._staging.give(buf)
             raise KVMissing(f"{len(missing)} of {len(keys)} KV blocks missing from the store "
                             f"(first: {missing[0]})")
         if work.tail_key:
             with contextlib.suppress(StoreError):
                 self.store.remove([work.tail_key], force=True)
         self.kv_bytes_loaded += sum(n or 0 for n in got)
-        return [v[:n] for v, n in zip(views, got, strict=True) if n is not None]
+        blocks = [v[:n] for v, n in zip(views, got, strict=True) if n is not None]
+        return _Seq(work, blocks, sampling_from_pb(work.sampling), buf)
 
     # -- the engine thread -----------------------------------------------------------------
 
@@ -223,17 +243,27 @@ class EmbeddedDecode(_Embedded):
         for seq in self._waiting:
             w = seq.work
             try:
+                # the store verified every byte against its checksum as it read them
                 engine.add_sequence(w.request_id, w.token_ids, seq.blocks, w.first_token,
-                                    seq.sampling)
+                                    seq.sampling, payload_checked=True)
             except EngineFull:
                 still.append(seq)  # joins when a running sequence finishes
                 continue
             except Exception as e:  # a bad sequence fails alone; the loop goes on
                 if not isinstance(e, MooncakeError):
                     log.exception("adding a sequence failed", extra={"request_id": w.request_id})
+                self._unstage(seq)
                 seq.out.put(e)
                 continue
-            seq.blocks = []  # the engine copied the KV; let the staging memory go
+            self._loads.put((time.monotonic() - seq.arrived, sum(len(b) for b in seq.blocks)))
+            self._unstage(seq)  # the engine copied the KV out
             self._running[w.request_id] = seq
         self._waiting = still
+
+    def _unstage(self, seq: _Seq) -> None:
+        """The staging buffer back to the pool (no view of it is left in `seq`)."""
+        seq.blocks = []
+        if seq.staging is not None:
+            self._staging.give(seq.staging)
+            seq.staging = None
 

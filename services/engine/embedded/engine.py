@@ -32,6 +32,7 @@ from mooncake_k8s.common.errors import IntegrityError, InvalidArgument
 from mooncake_k8s.engine.embedded import hfmodel
 from mooncake_k8s.engine.embedded.detokenizing import TextStream
 from mooncake_k8s.engine.embedded.kvblocks import BlockCodec
+from mooncake_k8s.engine.embedded.kvpool import SpareKV
 from mooncake_k8s.engine.embedded.layerexport import LayerExport, LayerSink
 from mooncake_k8s.engine.embedded.sampling import random_seed, sample_batch, sample_one
 from mooncake_k8s.engine.embedded.structs import (
@@ -57,6 +58,8 @@ class _Sequence:
 
     seq_id: str
     kv: torch.Tensor
+    """Its first `reserved` tokens of `base` (a reused tensor may be longer)."""
+    base: torch.Tensor
     reserved: int
     length: int
     """Tokens whose KV is in `kv`; the next input sits at this position."""
@@ -103,6 +106,10 @@ class Engine:
         self.kv_capacity_tokens = config.kv_capacity_tokens or self._default_capacity()
         self._running: dict[str, _Sequence] = {}
         self._kv_used = 0
+        self._spare_kv = SpareKV(
+            self.model.new_kv, self.kv_capacity_tokens * self.model.kv_bytes_per_token(),
+            enabled=self.device.type == "cpu",
+        )
         self._scratch: torch.Tensor | None = None
 
     def _default_capacity(self) -> int:
@@ -221,6 +228,7 @@ class Engine:
         *,
         export: bool = True,
         sink: LayerSink | None = None,
+        payload_checked: bool = False,
     ) -> PrefillResult:
         """Import the leading full blocks' KV, compute the rest, sample the first token.
 
@@ -230,7 +238,8 @@ class Engine:
         counted in `rejected_blocks`. `export=False` skips encoding new blocks (no store).
         `sink`: the new blocks (and the tail) are encoded layer by layer as the forward pass
         makes each layer final and handed to it (`layerexport`) instead of after the pass;
-        the encodings are the same bytes either way.
+        the encodings are the same bytes either way. `payload_checked`: the imported blocks'
+        bytes were verified by the store as they were read (`kvblocks`).
         """
         ids = self._check_tokens(token_ids)
         n, bt = ids.numel(), self.block_tokens
@@ -241,7 +250,7 @@ class Engine:
                 f"which has {full} full blocks of {bt}"
             )
         kv = self._scratch_kv(n)
-        verified = self._import(kv, imported, seq_id)
+        verified = self._import(kv, imported, seq_id, payload_checked)
         # Chunks must start at absolute multiples of the chunk size (determinism, see module
         # doc): a partial chunk's worth of imported blocks is recomputed instead.
         per_chunk = self.chunk_tokens // bt
@@ -296,9 +305,13 @@ class Engine:
         assert hidden is not None
         return self.model.logits(hidden)
 
-    def _import(self, kv: torch.Tensor, blocks: Sequence[Any], seq_id: str) -> int:
+    def _import(
+        self, kv: torch.Tensor, blocks: Sequence[Any], seq_id: str, payload_checked: bool = False
+    ) -> int:
         """Copy verified blocks into kv; returns how many leading blocks were usable."""
-        used, error = self.codec.load(kv, blocks, [self.block_tokens] * len(blocks))
+        used, error = self.codec.load(
+            kv, blocks, [self.block_tokens] * len(blocks), payload_checked
+        )
         if error is not None:
             log.warning(
                 "imported block failed verification; recomputing from it",
@@ -316,6 +329,8 @@ class Engine:
         blocks: Sequence[Any],
         first_token: int,
         sampling: SamplingParams,
+        *,
+        payload_checked: bool = False,
     ) -> None:
         """Admit a prefilled sequence into the running batch; it joins the next `step()`.
 
@@ -323,7 +338,40 @@ class Engine:
         not a block multiple. `first_token` was emitted by prefill and counts toward
         max_tokens. Raises EngineFull when max_batch sequences run or the KV budget cannot
         hold prompt + max_tokens - 1 tokens, IntegrityError when a block fails verification.
+        `payload_checked`: the blocks' bytes were verified by the store as they were read
+        (`kvblocks`); headers, layout and sizes are checked either way.
         """
+        sizes, max_new, stream = self._admission(seq_id, token_ids, blocks, first_token, sampling)
+        n, params = sum(sizes), sampling
+        reserve = n + max_new - 1
+        if reserve > self.kv_capacity_tokens:
+            raise InvalidArgument(
+                f"sequence needs {reserve} KV tokens (prompt + max_tokens - 1), more than this "
+                f"engine's whole capacity of {self.kv_capacity_tokens}"
+            )
+        if len(self._running) >= self.config.max_batch:
+            raise EngineFull(f"{len(self._running)} sequences running (max_batch)")
+        free = self.kv_capacity_tokens - self._kv_used
+        if reserve > free:
+            raise EngineFull(f"sequence needs {reserve} KV tokens, {free} free")
+        base = self._spare_kv.take(reserve)
+        kv = base[:, :, :, :reserve]
+        copied, error = self.codec.load(kv, blocks, sizes, payload_checked)
+        if error is not None:
+            self._spare_kv.give(base, self._live_kv_bytes())
+            raise IntegrityError(f"block {copied} of sequence {seq_id!r}: {error}")
+        seed = params.seed if params.seed is not None else random_seed()
+        self._running[seq_id] = _Sequence(
+            seq_id, kv, base, reserve, n, first_token, 1, max_new, params, seed, stream
+        )
+        self._kv_used += reserve
+
+    def _admission(
+        self, seq_id: str, token_ids: Sequence[int], blocks: Sequence[Any], first_token: int,
+        params: SamplingParams,
+    ) -> tuple[list[int], int, TextStream]:
+        """A new sequence's arguments checked: the tokens in each of its blocks, its max_new
+        and its text stream (primed with the first token)."""
         if not isinstance(seq_id, str) or not seq_id:
             raise InvalidArgument("seq_id must be a non-empty string")
         if seq_id in self._running:
@@ -340,7 +388,6 @@ class Engine:
                 f"a prompt of {n} tokens needs {len(sizes)} blocks "
                 f"({n // bt} full + {1 if n % bt else 0} tail), got {len(blocks)}"
             )
-        params = sampling
         max_new = self._max_new(n, params)
         stream = TextStream(self.tokenizer, ids.tolist(), params.stop)
         _, reason = self._finish(first_token, stream, 1, max_new, params)
@@ -348,26 +395,7 @@ class Engine:
             raise InvalidArgument(
                 f"sequence {seq_id!r} already finished at its first token ({reason})"
             )
-        reserve = n + max_new - 1
-        if reserve > self.kv_capacity_tokens:
-            raise InvalidArgument(
-                f"sequence needs {reserve} KV tokens (prompt + max_tokens - 1), more than this "
-                f"engine's whole capacity of {self.kv_capacity_tokens}"
-            )
-        if len(self._running) >= self.config.max_batch:
-            raise EngineFull(f"{len(self._running)} sequences running (max_batch)")
-        free = self.kv_capacity_tokens - self._kv_used
-        if reserve > free:
-            raise EngineFull(f"sequence needs {reserve} KV tokens, {free} free")
-        kv = self.model.new_kv(reserve)
-        copied, error = self.codec.load(kv, blocks, sizes)
-        if error is not None:
-            raise IntegrityError(f"block {copied} of sequence {seq_id!r}: {error}")
-        seed = params.seed if params.seed is not None else random_seed()
-        self._running[seq_id] = _Sequence(
-            seq_id, kv, reserve, n, first_token, 1, max_new, params, seed, stream
-        )
-        self._kv_used += reserve
+        return sizes, max_new, stream
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
@@ -396,6 +424,10 @@ class Engine:
         seq = self._running.pop(seq_id, None)
         if seq is not None:
             self._kv_used -= seq.reserved
+            self._spare_kv.give(seq.base, self._live_kv_bytes())
+
+    def _live_kv_bytes(self) -> int:
+        return sum(s.base.nbytes for s in self._running.values())
 
     def abort(self, seq_id: str) -> None:
         """Drop a sequence and free its KV; unknown or finished ids are ignored (idempotent)."""

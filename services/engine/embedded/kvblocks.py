@@ -2,7 +2,10 @@
 
 Import verifies each block (header, model layout, token count, payload checksum) and copies its
 payload straight into a token range of a cache tensor: one strided copy, no intermediate
-tensor. A block handed over as a pinned CPU tensor goes to the GPU by DMA without staging.
+tensor. Blocks just read from the store were verified against the store's checksum of the
+whole object during the copy out of it (`payload_checked`): those get every check but the
+payload hash, so each byte is hashed once on its way into the cache. A block handed over as a
+pinned CPU tensor goes to the GPU by DMA without staging.
 Verification (an xxh3 pass over the payload) runs on a thread pool when blocks are large: xxhash
 releases the GIL, and on a GPU host one core checksums slower than PCIe copies.
 
@@ -73,26 +76,27 @@ class BlockCodec:
         span = kv[:, :, :, start : start + m * bt]
         return span.view(lay, 2, heads, m, bt, d).permute(3, 0, 1, 2, 4, 5)
 
-    def _verify(self, block: Any, tokens: int) -> torch.Tensor:
-        header, payload = decode_block(block, self.layout)
+    def _verify(self, block: Any, tokens: int, payload_checked: bool = False) -> torch.Tensor:
+        header, payload = decode_block(block, self.layout, check_payload=not payload_checked)
         if header.tokens != tokens:
             raise IntegrityError(f"block holds {header.tokens} tokens, expected {tokens}")
         return _payload_tensor(block, payload, self.dtype).view(self._block_shape(tokens))
 
     def verified(
-        self, blocks: Sequence[Any], tokens: Sequence[int]
+        self, blocks: Sequence[Any], tokens: Sequence[int], payload_checked: bool = False
     ) -> Iterator[torch.Tensor | IntegrityError]:
         """Each block's payload as a `kv_shape` tensor, or the IntegrityError it failed with.
         Results come in order; with a pool, later blocks are verified while earlier ones are
-        being copied by the caller."""
+        being copied by the caller. `payload_checked`: see the module docstring."""
 
         def one(i: int) -> torch.Tensor | IntegrityError:
             try:
-                return self._verify(blocks[i], tokens[i])
+                return self._verify(blocks[i], tokens[i], payload_checked)
             except IntegrityError as e:
                 return e
 
-        big = len(blocks) > 1 and self.layout.block_bytes(self.block_tokens) >= (1 << 20)
+        big = (not payload_checked and len(blocks) > 1
+               and self.layout.block_bytes(self.block_tokens) >= (1 << 20))
         pool = self._workers() if big else None
         if pool is None:
             return (one(i) for i in range(len(blocks)))
@@ -112,10 +116,12 @@ class BlockCodec:
         kv[:, :, :, start:end].copy_(payload, non_blocking=pinned)
 
     def load(
-        self, kv: torch.Tensor, blocks: Sequence[Any], tokens: Sequence[int]
+        self, kv: torch.Tensor, blocks: Sequence[Any], tokens: Sequence[int],
+        payload_checked: bool = False,
     ) -> tuple[int, IntegrityError | None]:
         """Verify `blocks` (holding `tokens` tokens each, in order from position 0) and copy them
-        into kv. Stops at the first bad block: returns (blocks copied, its error or None)."""
+        into kv. Stops at the first bad block: returns (blocks copied, its error or None).
+        `payload_checked`: the payloads' bytes were verified already (module docstring)."""
         cuda = kv.device.type == "cuda"
         staged: list[int] = []  # token start of each block in the staging buffer
 
@@ -126,7 +132,7 @@ class BlockCodec:
                 staged.clear()
 
         start, copied, error = 0, 0, None
-        for payload in self.verified(blocks, tokens):
+        for payload in self.verified(blocks, tokens, payload_checked):
             if isinstance(payload, IntegrityError):
                 error = payload
                 break

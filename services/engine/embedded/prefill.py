@@ -130,9 +130,11 @@ class EmbeddedPrefill(_Embedded):
         sink = _StreamSink(self.store, work) if self.layerwise else None  # type: ignore[arg-type]
         try:
             with tracing.span("prefill.compute", imported_blocks=len(imported)):
+                # payload_checked: the store verified the blocks' bytes as it read them
                 res = self.engine.prefill(work.token_ids, imported,
                                           sampling_from_pb(work.sampling),
-                                          seq_id=work.request_id, sink=sink)
+                                          seq_id=work.request_id, sink=sink,
+                                          payload_checked=True)
         except BaseException:
             if sink is not None and sink.put is not None:
                 sink.put.abort()
@@ -165,8 +167,7 @@ class EmbeddedPrefill(_Embedded):
         Blocks read from another host are kept on `keep_on` (hot-block replication)."""
         views = self._staging_views(len(keys))
         try:
-            sizes = (self.store.batch_get_into(keys, views, keep_on=keep_on) if keep_on
-                     else self.store.batch_get_into(keys, views))
+            sizes = self.store.batch_get_into(keys, views, keep_on=keep_on)
         except StoreError as e:
             log.warning("reading cached blocks failed; computing everything",
                         extra={"error": str(e)})

@@ -4,11 +4,13 @@ the tokens are the ones the engine generates alone."""
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections.abc import Iterator
 
 import pytest
 
+from mooncake_k8s.common.blocks import HEADER_SIZE
 from mooncake_k8s.common.rpc import serving_pb2 as pb
 from mooncake_k8s.engine.api import (
     DecodeEngine,
@@ -21,13 +23,15 @@ from mooncake_k8s.engine.api import (
     Role,
 )
 from mooncake_k8s.engine.embedded import Engine, EngineConfig, SamplingParams
+from mooncake_k8s.engine.embedded.adapter import EmbeddedDecode
 from mooncake_k8s.engine.embedded.testing import generate, prompt_tokens
 from mooncake_k8s.engine.registry import engine_kind
+from mooncake_k8s.store.client import StoreClient
 from mooncake_k8s.store.testing import store_cluster
 
 
 @pytest.fixture(scope="module")
-def engines() -> Iterator[tuple[PrefillEngine, DecodeEngine]]:
+def bed() -> Iterator[tuple[PrefillEngine, DecodeEngine, StoreClient]]:
     kind = engine_kind("embedded")
     with store_cluster(nodes=1) as cluster, cluster.client() as store:
 
@@ -38,10 +42,21 @@ def engines() -> Iterator[tuple[PrefillEngine, DecodeEngine]]:
         prefill = kind.open_prefill(context("prefill"))
         decode = kind.open_decode(context("decode"))
         try:
-            yield prefill, decode
+            yield prefill, decode, store
         finally:
             prefill.close()
             decode.close()
+
+
+@pytest.fixture
+def engines(bed: tuple[PrefillEngine, DecodeEngine, StoreClient]
+            ) -> tuple[PrefillEngine, DecodeEngine]:
+    return bed[0], bed[1]
+
+
+@pytest.fixture
+def store(bed: tuple[PrefillEngine, DecodeEngine, StoreClient]) -> StoreClient:
+    return bed[2]
 
 
 def test_prefill_hands_the_kv_to_decode_through_the_store(
@@ -81,3 +96,61 @@ def test_decode_without_the_kv_in_the_store_fails_the_request_alone(
     with pytest.raises(KVMissing, match="1 of 1 KV blocks missing"):
         list(decode.decode(work, threading.Event()))
     assert decode.failure() is None and decode.load().running == 0
+
+
+def test_kv_loaded_from_the_segment_decodes_as_a_cold_run(
+        engines: tuple[PrefillEngine, DecodeEngine], engine: Engine) -> None:
+    """Prompts of other lengths in turn through one decode (its staging buffer and KV memory
+    reused from the one before): each continuation is the cold run's, and each admission
+    reports the KV bytes it loaded."""
+    prefill, decode = engines
+    bt = prefill.info.block_tokens
+    assert isinstance(decode, EmbeddedDecode)
+    decode.load_seconds()
+    for i, n in enumerate((2 * bt + 5, bt + 40, 2 * bt)):
+        tokens = prompt_tokens(engine, n, variant=20 + i)
+        sampling = pb.Sampling(temperature=0, max_tokens=6)
+        keys = tuple(prefill.info.block_keys(tokens))
+        done = prefill.prefill(PrefillWork(f"seg-{i}", tokens, "", sampling, KVPlan(keys)))
+        work = DecodeWork(f"seg-{i}", tokens, "", done.first_token, sampling, list(keys),
+                          done.tail_key)
+        out = list(decode.decode(work, threading.Event()))
+        alone, _, _ = generate(engine, tokens, SamplingParams(temperature=0, max_tokens=6))
+        assert [done.first_token, *(t.token_id for t in out)] == alone, n
+        ((seconds, nbytes),) = decode.load_seconds()
+        assert seconds > 0 and nbytes == engine.layout.block_bytes(bt) * (n // bt) + (
+            engine.layout.block_bytes(n % bt) if n % bt else 0)
+
+
+def _flip_in_segment(store: StoreClient, key: str, at: int) -> None:
+    """Flip one byte of `key`'s only replica where it lies, in the node's shared memory (as
+    a memory fault or a stray write would): the store's checksum no longer matches."""
+    info = store._lookup([key])[0]
+    assert info is not None and len(info.replicas) == 1
+    loc = info.replicas[0]
+    with open(loc.segment.path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        m[loc.offset + at] ^= 0x20
+
+
+def test_a_block_corrupted_in_the_segment_is_never_used(
+        engines: tuple[PrefillEngine, DecodeEngine], store: StoreClient,
+        engine: Engine) -> None:
+    """The store's checksum, verified as the block is read, is the one check of its payload
+    on this path: decode fails the request (the Conductor retries it from prefill), and a
+    prefill of the prompt recomputes from the bad block with the cold run's first token."""
+    prefill, decode = engines
+    bt = prefill.info.block_tokens
+    tokens = [1234, *prompt_tokens(engine, 3 * bt - 1, variant=30)]  # its own first block
+    sampling = pb.Sampling(temperature=0, max_tokens=4)
+    keys = tuple(prefill.info.block_keys(tokens))
+    done = prefill.prefill(PrefillWork("bad-0", tokens, "", sampling, KVPlan(keys)))
+    assert done.stored_blocks == 3
+    _flip_in_segment(store, keys[1], HEADER_SIZE + 1000)
+    work = DecodeWork("bad-1", tokens, "", done.first_token, sampling, list(keys))
+    with pytest.raises(KVMissing, match="1 of 3 KV blocks missing"):
+        list(decode.decode(work, threading.Event()))
+    again = prefill.prefill(PrefillWork("bad-2", tokens, "", sampling,
+                                        KVPlan(keys, fetch_blocks=3)))
+    assert again.cached_tokens == bt and again.imported_blocks == 1
+    assert again.first_token == done.first_token
+    assert decode.load().running == 0

@@ -192,3 +192,48 @@ def test_decode_alone_helper_matches_generate(fresh: Engine) -> None:
     res = engine.prefill(ids, [], GREEDY)
     tokens, _, reason = decode_alone(engine, "x", ids, all_blocks(res), res.first_token, GREEDY)
     assert tokens == generate(engine, ids, GREEDY)[0] and reason in ("stop", "length")
+
+
+def test_store_checked_blocks_skip_only_the_payload_hash(fresh: Engine) -> None:
+    """`payload_checked` (bytes the store verified as it read them): the header, layout,
+    token count and sizes are still checked; only the payload is not hashed again."""
+    engine = fresh
+    ids = prompt(engine, 150)
+    res = engine.prefill(ids, [], GREEDY)
+    blocks = all_blocks(res)
+    bad_header = bytearray(blocks[1])
+    bad_header[20] ^= 0x01
+    with pytest.raises(IntegrityError, match=r"block 1 of sequence 'h'.*header checksum"):
+        engine.add_sequence("h", ids, [blocks[0], bytes(bad_header), blocks[2]],
+                            res.first_token, GREEDY, payload_checked=True)
+    with pytest.raises(IntegrityError, match="holds 64 tokens, expected 22"):
+        engine.add_sequence("swap", ids, [blocks[0], blocks[1], blocks[0]], res.first_token,
+                            GREEDY, payload_checked=True)
+    with pytest.raises(IntegrityError, match="block 2 of sequence 'cut'"):
+        engine.add_sequence("cut", ids, [*blocks[:2], blocks[2][:-4]], res.first_token,
+                            GREEDY, payload_checked=True)
+    assert engine.load().kv_used_tokens == 0
+    params = SamplingParams(temperature=0, max_tokens=6)
+    alone, _, _ = generate(engine, ids, params)
+    engine.add_sequence("ok", ids, blocks, res.first_token, params, payload_checked=True)
+    got = [res.first_token]
+    while engine.has_sequence("ok"):
+        got += [o.token_id for o in engine.step()]
+    assert got == alone
+
+
+def test_released_kv_memory_is_reused_with_identical_tokens(fresh: Engine) -> None:
+    """A sequence admitted into the memory a finished one left (its stale KV beyond the new
+    prompt included) decodes exactly what a cold run decodes."""
+    engine = fresh
+    params = SamplingParams(temperature=0, max_tokens=8)
+    long_ids, short_ids = prompt(engine, 200), prompt(engine, 130, variant=3)
+    for seq_id, ids in (("long", long_ids), ("short", short_ids), ("again", long_ids)):
+        res = engine.prefill(ids, [], params)
+        alone, _, _ = generate(engine, ids, params)
+        engine.add_sequence(seq_id, ids, all_blocks(res), res.first_token, params)
+        got = [res.first_token]
+        while engine.has_sequence(seq_id):
+            got += [o.token_id for o in engine.step()]
+        assert got == alone, seq_id
+    assert engine.load().kv_used_tokens == 0
