@@ -100,15 +100,24 @@ class _Retry(Exception):
 
 class Pipeline:
     def __init__(self, prefills: InstancePool, decodes: InstancePool, router: Router,
-                 attempts: int = 3, prefill_timeout_s: float = 600.0,
-                 metrics: ConductorMetrics | None = None, max_resumes: int = 3) -> None:
+                 attempts: int = 4, prefill_timeout_s: float = 600.0,
+                 metrics: ConductorMetrics | None = None, max_resumes: int = 3,
+                 retry_wait_s: float = 3.0) -> None:
         self.metrics = metrics
+        self.retry_wait_s = retry_wait_s
+        """How long a retry waits for an instance to be usable again: a failed call takes its
+        instance out of rotation until its next good poll (`InstancePool.mark_failed`), and
+        when that was the last one (its peer partitioned), a 503 at once would turn a
+        transient failure into an error. About one poll interval plus one poll timeout."""
         self.max_resumes = max_resumes
         """Resumes one stream may take (each needs a decode instance to fail under it)."""
         self.prefills = prefills
         self.decodes = decodes
         self.router = router
         self.attempts = attempts
+        """Tries before the request fails; 4, since a partitioned host can cost two: the call
+        abandoned on its instance, and one whose KV went to its segment (listed by the store
+        master until it drops the silent node)."""
         self.prefill_timeout_s = prefill_timeout_s
 
     async def run(self, gen: Generation, out: Outcome) -> AsyncGenerator[Delta, None]:
@@ -191,7 +200,7 @@ class Pipeline:
                      last_error: str) -> Route:
         """The router's one decision for this attempt. A resume asks the same question of
         the instances of the lost one's revision, never to be shed (`RouteRequest.shed`)."""
-        prefills, decodes = self.prefills.usable(), self.decodes.usable()
+        prefills, decodes = await self._candidates(attempt)
         if lost is not None:
             prefills = resume_candidates(prefills, lost.revision)
             decodes = resume_candidates(decodes, lost.revision)
@@ -210,6 +219,16 @@ class Pipeline:
                 raise self._resume_failed(lost, str(e)) from e
             why = f"{e} (last failure: {last_error})" if attempt else str(e)
             raise NoCapacity(why) from e
+
+    async def _candidates(self, attempt: int) -> tuple[list[Instance], list[Instance]]:
+        """The usable instances of both roles; a retry (`attempt` > 0) finding a role empty
+        waits up to `retry_wait_s` for one to come back before the router says NoCapacity."""
+        deadline = time.monotonic() + (self.retry_wait_s if attempt else 0.0)
+        while True:
+            prefills, decodes = self.prefills.usable(), self.decodes.usable()
+            if (prefills and decodes) or time.monotonic() >= deadline:
+                return prefills, decodes
+            await asyncio.sleep(0.1)
 
     def _first(self, resp: pb.PrefillResponse, out: Outcome,
                lost: DecodeLost | None) -> Delta:

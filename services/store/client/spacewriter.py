@@ -113,7 +113,7 @@ class SpaceWriter:
             return None
         ext, offsets = got
         results: list[Any] = [None] * len(keys)
-        written = self._write_all(ext, views, offsets, results)
+        written = self._write_all(shape, ext, views, offsets, results)
         items = [pb.CommitItem(key=keys[i], offset=offsets[i], size=sizes[i], checksum=s)
                  for i, s in written]
         sent = time.monotonic()
@@ -142,9 +142,12 @@ class SpaceWriter:
         return results
 
     def _write_all(
-        self, ext: _Extent, views: Sequence[memoryview], offsets: list[int], results: list[Any]
+        self, shape: Shape, ext: _Extent, views: Sequence[memoryview], offsets: list[int],
+        results: list[Any],
     ) -> list[tuple[int, int]]:
-        """Write every object to every replica; (index, checksum) of those fully written."""
+        """Write every object to every replica; (index, checksum) of those fully written. A
+        replica whose peer failed (partitioned, gone) retires the extent: the next put leases
+        anew instead of failing on that peer again until the extent is used up."""
         sums: dict[int, int] = {}
         failed: set[int] = set()
         for peer, seg, base in ext.starts:
@@ -155,6 +158,7 @@ class SpaceWriter:
                 for i in range(len(views)):
                     failed.add(i)
                     results[i] = e
+                self._retire(shape, ext)
                 continue
             for i, s in enumerate(got):
                 sums.setdefault(i, s)
