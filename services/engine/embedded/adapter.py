@@ -186,8 +186,7 @@ class EmbeddedDecode(_Embedded):
         buf = self._staging.take(len(keys) * size)
         mv = byte_view(buf, writable=True)
         views = [mv[i * size:(i + 1) * size] for i in range(len(keys))]
-        got = (self.store.batch_get_into(keys, views, keep_on=work.keep_on) if work.keep_on
-               else self.store.batch_get_into(keys, views))
+        got = self.store.batch_get_into(keys, views, keep_on=work.keep_on)
         missing = [k for k, n in zip(keys, got, strict=True) if n is None]
         if missing:
             self._staging.give(buf)
