@@ -24,7 +24,7 @@ from mooncake_k8s.engine.api import (
 )
 from mooncake_k8s.engine.embedded import Engine, EngineConfig, SamplingParams
 from mooncake_k8s.engine.embedded.adapter import EmbeddedDecode
-from mooncake_k8s.engine.embedded.testing import generate, prompt_tokens
+from mooncake_k8s.engine.embedded.testing import all_blocks, generate, prompt_tokens
 from mooncake_k8s.engine.registry import engine_kind
 from mooncake_k8s.store.client import StoreClient
 from mooncake_k8s.store.testing import store_cluster
@@ -154,3 +154,35 @@ def test_a_block_corrupted_in_the_segment_is_never_used(
     assert again.cached_tokens == bt and again.imported_blocks == 1
     assert again.first_token == done.first_token
     assert decode.load().running == 0
+
+
+def test_decode_asks_the_store_to_keep_what_it_read_from_another_host(engine: Engine) -> None:
+    """A decode whose store client is on another host than the prompt's blocks (a client
+    with its own host id) reads them over TCP and hands the plan's `keep_on` segment to the
+    store with the read, and decodes as a cold run. On one machine every node shares one
+    host, which holds a copy already, so the store keeps none (it keeps one copy per host)
+    and counts each as skipped: that count is what shows decode asked. Keeping across real
+    hosts is the store's to test (and the test bed's)."""
+    kind = engine_kind("embedded")
+    bt = engine.block_tokens
+    params = SamplingParams(temperature=0, max_tokens=4)
+    tokens = [4321, *prompt_tokens(engine, 2 * bt + 6, variant=40)]
+    res = engine.prefill(tokens, [], params)
+    keys = engine.block_keys(tokens)
+    with store_cluster(nodes=2) as cluster, cluster.client() as writer, \
+            cluster.client(host_id="decode-host") as remote:
+        assert writer.batch_put([*keys, "tail/keep-1"], all_blocks(res), placement="preferred",
+                                preferred_segment="n0-dram-0") == [None] * 3
+        ctx = EngineContext("decode", EngineConfig(threads=1), kind.settings({}), remote,
+                            cluster.master_address, cluster.token)
+        decode = kind.open_decode(ctx)
+        try:
+            work = DecodeWork("keep-1", tokens, "", res.first_token,
+                              pb.Sampling(temperature=0, max_tokens=4), keys, "tail/keep-1",
+                              keep_on="n1-dram-0")
+            out = list(decode.decode(work, threading.Event()))
+        finally:
+            decode.close()
+        alone, _, _ = generate(engine, tokens, params)
+        assert [res.first_token, *(t.token_id for t in out)] == alone
+        assert (remote.keep_skipped, remote.kept_blocks, remote.keep_failures) == (3, 0, 0)
