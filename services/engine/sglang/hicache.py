@@ -15,6 +15,13 @@ read each other's pages. The Conductor computes the same names (`common.blocks.b
 its index sees SGLang's pool pages like any block. Every page read is verified by the pool
 (size and checksum); a page that fails is a miss, and SGLang recomputes it: a bad page costs
 time, never output.
+
+Not layer-wise (issue 20 item 3; docs/engines.md): SGLang hands this backend whole pages
+(every layer) from its backup thread, after the device-to-host write-through of a radix node
+that a forward pass already computed (`write_backup_storage` -> `write_storage` ->
+`batch_set_v1`), and reads whole pages into its host pool. The interface names pages, never
+layers, so there is no seam to write a layer while the next one computes; SGLang's own
+host-to-device load is the per-layer step (`LayerDoneCounter`).
 """
 
 from __future__ import annotations

@@ -12,6 +12,11 @@ list is a closed enum wired into three modules, while this class is looked up by
 place, and keeping SGLang's bootstrap protocol means the Conductor pairs instances exactly as
 SGLang's router does (bootstrap host, port and room in the request).
 
+Granularity is SGLang's: its scheduler sends a request's KV after a forward batch (per chunk
+under chunked prefill, then the last chunk), as page ranges across every layer; no hook runs
+per layer, so the transfer overlaps the next chunk's compute, never the rest of one forward
+pass (docs/engines.md).
+
 Configuration comes from the environment the worker gives SGLang: `MOONCAKE_CLUSTER_TOKEN`,
 `MOONCAKE_PD_HOST` (the address peers reach us on; default SGLang's own host guess) and
 `MOONCAKE_PD_PORT` (default 0: any free port; ranks add their GPU index).
