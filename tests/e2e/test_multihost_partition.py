@@ -46,6 +46,8 @@ NEW = [20, 21, 22]
 """Prompts first sent during the partition."""
 AFTER = [30, 31, 32, 33]
 """Prompts sent once the link is back (until prefill-0 serves one)."""
+REROUTED = 'cause="unreachable",role="prefill"'
+"""Calls abandoned on an unreachable prefill instance (labels as exported: sorted by name)."""
 
 
 def prompt(k: int) -> str:
@@ -128,8 +130,9 @@ def test_a_partitioned_prefill_host_costs_no_request(one_host: dict[int, str],
     warm, warm_text = _warm_on_prefill0(c)
     # The repeat before the partition: served from prefill-0's host, same text.
     assert c.client_call(_chat, c.base_url, prompt(warm)) == (warm_text, "prefill-0")
-    assert _metric(c, "mooncake_conductor_reroutes_total",
-                   'role="prefill",cause="unreachable"') == 0
+    before = c.client_call(_metrics, c.base_url)
+    assert REROUTED in before, "the reroute counter is exported before any partition"
+    assert metric_value(before, "mooncake_conductor_reroutes_total", REROUTED) == 0
 
     c.hosts["prefill-0"].set_link(up=False)  # the processes on prefill-0 keep running
     # At once, before the Conductor has missed a poll: the repeats go to prefill-0 (its host
@@ -150,8 +153,7 @@ def test_a_partitioned_prefill_host_costs_no_request(one_host: dict[int, str],
     assert metric_value(text, "mooncake_conductor_instances",
                         'role="prefill",state="ready"') == 1
     # The calls already waiting on prefill-0 were abandoned and retried, not waited out.
-    assert metric_value(text, "mooncake_conductor_reroutes_total",
-                        'role="prefill",cause="unreachable"') >= 1, text
+    assert metric_value(text, "mooncake_conductor_reroutes_total", REROUTED) >= 1, text
     assert metric_value(text, "mooncake_conductor_requests_total", 'status="200"') > 0
     assert metric_value(text, "mooncake_conductor_requests_total", 'status="5') == 0
 
