@@ -10,7 +10,7 @@ A partitioned host (link down, processes alive) answers nothing and resets nothi
 waits for its deadline (the prefill call's is long: a long prompt on a CPU takes minutes). So a
 poll that times out or finds the instance unavailable marks it *unreachable* at once (not routed
 to), and after `lost_after` such polls in a row (about 5 s with the defaults) the instance is
-*lost*, provided another instance of its role is usable: calls still waiting on it are abandoned
+*lost*, provided another instance of its role answers: calls still waiting on it are abandoned
 (`Instance.lost`, `until_answered`) and their requests retried on another instance. A lost
 instance also gets a fresh channel on every poll: the old connection's TCP retransmissions back
 off for tens of seconds after a long partition, while a new connection answers within a round
@@ -101,6 +101,14 @@ class Instance:
         if self.usable:
             return "ready"
         return "unreachable" if self.unreachable else "unready"
+
+    @property
+    def answering(self) -> bool:
+        """Its last poll answered ready: somewhere a call abandoned elsewhere can go, even
+        while a failed request keeps it out of rotation until the next poll."""
+        r = self.report
+        return (not self.unreachable and r is not None and r.ready and not r.draining
+                and not self.tokenizer_mismatch)
 
     @property
     def usable(self) -> bool:
@@ -275,17 +283,17 @@ class InstancePool:
 
     def _missed(self, inst: Instance) -> None:
         """A poll found nothing answering: unreachable now, lost after `lost_after` in a row
-        while another instance of the role is usable (with none, abandoning a call would only
-        turn a wait into an error: it waits on, bounded by its own deadline). A lost instance's
-        calls are abandoned (they wait on `inst.lost`) and it gets a fresh channel each poll
-        (see the module's docstring); the old one is closed once the calls abandoned on it
-        have had a moment to go."""
+        while another instance of the role answers its polls (with none, abandoning a call
+        would only turn a wait into an error: it waits on, bounded by its own deadline). A
+        lost instance's calls are abandoned (they wait on `inst.lost`) and it gets a fresh
+        channel each poll (see the module's docstring); the old one is closed once the calls
+        abandoned on it have had a moment to go."""
         inst.unreachable = True
         inst.missed_polls += 1
         if inst.missed_polls < self.lost_after:
             return
         if not inst.lost.is_set():
-            if not any(o.usable for o in self.instances.values() if o is not inst):
+            if not any(o.answering for o in self.instances.values() if o is not inst):
                 return
             log.warning("instance unreachable: abandoning its calls", extra={
                 "role": self.role, "address": inst.address, "instance_id": inst.instance_id,
