@@ -20,8 +20,9 @@ class SpareKV:
     """Released decode KV tensors (`[layer, k|v, kv_head, tokens, head_dim]`), kept for the next
     admission. Not thread-safe: the engine's thread owns it.
 
-    A request takes the smallest spare with room for its tokens but not more than twice them
-    (a short sequence does not tie up a long one's memory), else a new tensor. Spares and the
+    A request takes the smallest spare with room for its tokens and at most half as many again
+    (a short sequence does not tie up a long one's memory, and a running sequence holds at
+    most 1.5x the memory the engine accounts for it), else a new tensor. Spares and the
     running sequences' tensors together stay within `limit_bytes` (the engine's KV budget): a
     spare that would break it is dropped, oldest first. On a GPU the caching allocator already
     reuses memory, so the engine keeps no spares there (`enabled=False`).
@@ -40,7 +41,8 @@ class SpareKV:
 
     def take(self, tokens: int) -> torch.Tensor:
         """A tensor with room for at least `tokens` tokens (its contents are garbage)."""
-        fits = [i for i, t in enumerate(self._spare) if tokens <= t.shape[3] <= 2 * tokens]
+        most = tokens + tokens // 2
+        fits = [i for i, t in enumerate(self._spare) if tokens <= t.shape[3] <= most]
         if not fits:
             return self._new(tokens)
         return self._spare.pop(min(fits, key=lambda i: self._spare[i].shape[3]))

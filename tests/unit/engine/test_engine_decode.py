@@ -227,7 +227,7 @@ def test_released_kv_memory_is_reused_with_identical_tokens(fresh: Engine) -> No
     prompt included) decodes exactly what a cold run decodes."""
     engine = fresh
     params = SamplingParams(temperature=0, max_tokens=8)
-    long_ids, short_ids = prompt(engine, 200), prompt(engine, 130, variant=3)
+    long_ids, short_ids = prompt(engine, 200), prompt(engine, 150, variant=3)
     for seq_id, ids in (("long", long_ids), ("short", short_ids), ("again", long_ids)):
         res = engine.prefill(ids, [], params)
         alone, _, _ = generate(engine, ids, params)
