@@ -18,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -47,6 +48,9 @@ from mooncake_k8s.engine.embedded.structs import (
 )
 
 log = logging.getLogger(__name__)
+
+LOADS_KEPT = 1024
+"""Admissions' load times kept for `load_seconds` (a bound: the service may never ask)."""
 
 
 def tail_key(request_id: str) -> str:
@@ -113,7 +117,8 @@ class EmbeddedDecode(_Embedded):
         self.kv_bytes_loaded = 0
         self._steps: queue.SimpleQueue[float] = queue.SimpleQueue()
         """Durations of batched steps, drained by the service into its histogram."""
-        self._loads: queue.SimpleQueue[tuple[float, int]] = queue.SimpleQueue()
+        self._loads: deque[tuple[float, int]] = deque(maxlen=LOADS_KEPT)
+        """(seconds, bytes) per admission; the newest kept while nobody reads them."""
         self._staging = Staging()
         self._thread = threading.Thread(target=self._loop, name="decode-engine", daemon=True)
         self._thread.start()
@@ -133,11 +138,13 @@ class EmbeddedDecode(_Embedded):
         return out
 
     def load_seconds(self) -> list[tuple[float, int]]:
-        """(seconds, bytes) of each admission since the last call: from the request's arrival
-        to its KV in the engine's cache (read, verified, copied), and the KV bytes read."""
+        """(seconds, bytes) of each admission since the last call (the newest `LOADS_KEPT`):
+        from the request's arrival to its KV in the engine's cache (read, verified, copied),
+        and the KV bytes read."""
         out: list[tuple[float, int]] = []
-        while not self._loads.empty():
-            out.append(self._loads.get())
+        with contextlib.suppress(IndexError):
+            while True:
+                out.append(self._loads.popleft())
         return out
 
     def load(self) -> EngineLoad:
@@ -254,7 +261,7 @@ class EmbeddedDecode(_Embedded):
                 self._unstage(seq)
                 seq.out.put(e)
                 continue
-            self._loads.put((time.monotonic() - seq.arrived, sum(len(b) for b in seq.blocks)))
+            self._loads.append((time.monotonic() - seq.arrived, sum(len(b) for b in seq.blocks)))
             self._unstage(seq)  # the engine copied the KV out
             self._running[w.request_id] = seq
         self._waiting = still
