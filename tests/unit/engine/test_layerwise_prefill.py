@@ -112,12 +112,15 @@ def test_streamed_and_plain_prefill_store_identical_blocks(
         for a, b in zip([*keys[True], "tail/lw-True"], [*keys[False], "tail/lw-False"],
                         strict=True):
             assert bytes(client.get(a)) == bytes(client.get(b))
-        # Again, computed from scratch and finished at its first token: every block is stored
-        # already (as good as ours, no error) and the tail, which nobody will read, is not.
+        # Again, two blocks read (kept on the home segment if they came from another host:
+        # here all is one host) and the rest recomputed, finished at its first token: every
+        # block is stored already (as good as ours, no error), the tail nobody reads is not.
         p = prefills[True]
         once = pb.Sampling(temperature=0, max_tokens=1)
-        again = p.prefill(PrefillWork("lw-again", tokens, "True", once, KVPlan(keys[True])))
+        plan = KVPlan(keys[True], fetch_blocks=2, home_segment=home, keep_fetched=True)
+        again = p.prefill(PrefillWork("lw-again", tokens, "True", once, plan))
         assert again.finished and again.first_token == done[True].first_token
+        assert (again.cached_tokens, again.imported_blocks) == (2 * bt, 2)
         assert (again.stored_blocks, again.tail_key) == (0, "")
         assert client.exists(["tail/lw-again"]) == [False]
         assert [c.value for c in p.counters()] == [6, 0]
