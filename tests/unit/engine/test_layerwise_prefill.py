@@ -15,7 +15,7 @@ from mooncake_k8s.common.blocks import HEADER_SIZE
 from mooncake_k8s.common.rpc import serving_pb2 as pb
 from mooncake_k8s.common.rpc import store_pb2 as spb
 from mooncake_k8s.engine.api import KVPlan, PrefillWork
-from mooncake_k8s.engine.embedded import Engine, EngineConfig
+from mooncake_k8s.engine.embedded import Engine, EngineConfig, load_engine
 from mooncake_k8s.engine.embedded.prefill import EmbeddedPrefill
 from mooncake_k8s.engine.embedded.structs import layerwise_from_env
 from mooncake_k8s.engine.embedded.testing import GREEDY, prompt_tokens
@@ -66,6 +66,25 @@ def test_layer_export_equals_the_export_after_prefill(engine: Engine, extra: int
         order = [i for i, s, _ in rec.ranges if s != 0]
         last = len(rec.views) - 1
         assert len(order) - 1 - order[::-1].index(0) < order.index(last)
+
+
+def test_chunks_of_several_blocks_export_each_block_once(engine: Engine) -> None:
+    """With 128-token chunks a chunk completes two blocks' layer at once; a prompt ending
+    mid-chunk leaves the tail for the last one."""
+    big = load_engine(EngineConfig(threads=1, prefill_chunk_tokens=2 * engine.block_tokens),
+                      progress=False)
+    ids = prompt_tokens(big, 5 * big.block_tokens + 9, variant=7)
+    plain = big.prefill(ids, [], GREEDY)
+    rec = Recorder()
+    streamed = big.prefill(ids, [], GREEDY, sink=rec)
+    assert [bytes(b) for _, b in streamed.new_blocks] == [bytes(b) for _, b in plain.new_blocks]
+    assert bytes(streamed.tail_block or b"") == bytes(plain.tail_block or b"")
+    assert streamed.first_token == plain.first_token and len(rec.views) == 6
+    for index, view in enumerate(rec.views):
+        assert sum(e - s for i, s, e in rec.ranges if i == index) == len(view)
+    # block 1 (second of the first chunk) is complete before the second chunk starts
+    order = [i for i, s, _ in rec.ranges if s != 0]
+    assert len(order) - 1 - order[::-1].index(1) < order.index(2)
 
 
 def test_the_env_var_is_read_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
