@@ -193,8 +193,18 @@ def test_prefix_from_prefill_a_is_a_hit_on_prefill_b(cluster: LocalCluster,
     full = (len(ids) - 1) // BT
     hits_before = metric_value(cluster.procs["master"].metrics(),
                                "mooncake_store_lookups_total", 'result="hit"')
+    layers = "mooncake_vllm_kv_save_layers_total"
+    hooked = _worker_metric(cluster, "prefill-0", layers, 'when="hooked"')
+    late = _worker_metric(cluster, "prefill-0", layers, 'when="late"')
+    streamed = _worker_metric(cluster, "prefill-0", "mooncake_vllm_kv_blocks_streamed_total")
     cold = _prefill(cluster, 0, ids)
     assert cold.cached_tokens == 0
+    # Saved layer by layer from vLLM's own hooks while it computed (SmolLM2: 30 layers), and
+    # streamed to the store: no layer was left for after the forward pass.
+    assert _worker_metric(cluster, "prefill-0", layers, 'when="hooked"') >= hooked + 30
+    assert _worker_metric(cluster, "prefill-0", layers, 'when="late"') == late
+    assert _worker_metric(cluster, "prefill-0", "mooncake_vllm_kv_blocks_streamed_total") \
+        >= streamed + full
     warm = _prefill(cluster, 1, ids)  # prefill-1 never saw this prompt: the pool supplies it
     assert warm.cached_tokens == full * BT
     assert warm.first_token == cold.first_token
