@@ -79,7 +79,20 @@ class Instance:
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     """Set while the instance is lost (`InstancePool.lost_after` polls missed in a row): calls
     waiting on it give up (`until_answered`). Cleared when it answers a poll again."""
+    done_since_poll: list[tuple[float, int]] = field(default_factory=list)
+    """(monotonic end, tokens) of calls here that ended after the latest answered poll was
+    sent: its report may still count them (`since_report`)."""
     _stub: Any = None
+
+    def note_done(self, tokens: int) -> None:
+        """A call here ended: until a poll sent after now answers, the report overstates."""
+        self.done_since_poll.append((time.monotonic(), tokens))
+
+    def since_report(self) -> tuple[int, int]:
+        """(calls, tokens) the report may still count although they have ended. Without this
+        a decode that just streamed a long prompt looks busy for up to a poll interval, and
+        the next request with that prefix goes to an instance that must fetch it."""
+        return len(self.done_since_poll), sum(t for _, t in self.done_since_poll)
 
     @property
     def stub(self) -> Any:
@@ -256,6 +269,7 @@ class InstancePool:
         self.changed.set()
 
     async def _poll(self, inst: Instance) -> None:
+        sent = time.monotonic()
         try:
             rep = await inst.stub.Load(pb.LoadRequest(), metadata=self._md,
                                        timeout=self._timeout)
@@ -271,6 +285,7 @@ class InstancePool:
                 "role": self.role, "address": inst.address, "instance_id": rep.instance_id,
                 "unreachable_s": round(time.monotonic() - inst.last_ok, 1)})
         inst.report = rep
+        inst.done_since_poll = [d for d in inst.done_since_poll if d[0] >= sent]
         inst.healthy = True
         inst.unreachable = False
         inst.missed_polls = 0

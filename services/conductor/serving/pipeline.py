@@ -357,6 +357,7 @@ class Pipeline:
         finally:
             inst.inflight -= 1
             inst.inflight_tokens -= n
+            inst.note_done(n)
 
     async def _decode(self, gen: Generation, route: Route, first_token: int, tail_key: str,
                       plan: pb.KVPlan) -> AsyncGenerator[pb.DecodeChunk, None]:
@@ -383,3 +384,4 @@ class Pipeline:
                     call.cancel()
         finally:
             inst.inflight -= 1
+            inst.note_done(len(gen.token_ids) + gen.sampling.max_tokens)

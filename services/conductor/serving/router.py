@@ -205,8 +205,9 @@ class MooncakeRouter:
     def _prefill_view(self, inst: Instance) -> PrefillView:
         r = inst.report
         pf = self.scheduler.model.prefill
-        queued = max(r.queued_tokens if r else 0, inst.inflight_tokens)
-        jobs = max(r.queued_requests if r else 0, inst.inflight)
+        done, done_tokens = inst.since_report()
+        queued = max((r.queued_tokens if r else 0) - done_tokens, inst.inflight_tokens)
+        jobs = max((r.queued_requests if r else 0) - done, inst.inflight)
         mask = self.local_mask(r.host_id, r.local_segment) if r else 0
         return PrefillView(self._slot(inst), pf.base_ms * jobs + pf.per_token_ms * queued, mask,
                            r.revision if r else "")
@@ -215,8 +216,9 @@ class MooncakeRouter:
         r = inst.report
         if r is None:
             return DecodeView(self._slot(inst), inst.inflight)
-        used = max(0, r.kv_capacity_tokens - r.kv_free_tokens)
-        return DecodeView(self._slot(inst), max(r.running, inst.inflight), used,
+        done, done_tokens = inst.since_report()
+        used = max(0, r.kv_capacity_tokens - r.kv_free_tokens - done_tokens)
+        return DecodeView(self._slot(inst), max(r.running - done, inst.inflight), used,
                           r.kv_capacity_tokens, r.revision,
                           self.local_mask(r.host_id, r.local_segment))
 

@@ -176,3 +176,30 @@ def _check_host_masks(store: StoreClient) -> None:
         assert route.decode.instance_id == "d-far"  # the decode whose host holds the prefix
 
     asyncio.run(run())
+
+
+def test_a_call_that_ended_since_the_last_poll_no_longer_loads_its_instance() -> None:
+    """A decode that has just streamed a prompt still reports it running until its next poll;
+    the Conductor, which saw the stream end, does not count it, so the next request with that
+    prefix goes to the decode holding it instead of one that must fetch it over the network."""
+    router = MooncakeRouter(Scheduler(SchedulerConfig(policy="global_cache_aware"),
+                                      load(BUILTIN_CPU_PROFILE), KVIndex()))
+    p0 = _bare("prefill", "p0", local_segment="seg-p0")
+    d0 = _bare("decode", "d0", local_segment="seg-d0", kv_capacity_tokens=10_000,
+               kv_free_tokens=10_000)
+    d1 = _bare("decode", "d1", local_segment="seg-d1", kv_capacity_tokens=10_000,
+               kv_free_tokens=6_000, running=1)
+    _hold(router, p0, "seg-p0")
+    _hold(router, d1, "seg-d1")
+    assert _route(router, [p0], [d0, d1]).decode is d0  # the stale report makes d1 look busy
+    d1.note_done(4_000)
+    assert d1.since_report() == (1, 4_000)
+    assert _route(router, [p0], [d0, d1]).decode is d1
+
+
+def _bare(role: str, name: str, **report: object) -> Instance:
+    """An instance with a report and no channel (routing never calls it)."""
+    rep = pb.LoadReport(instance_id=name, role=role, revision="r", model="m",
+                        model_fingerprint="ab" * 16, dtype="bfloat16", block_tokens=8,
+                        max_context=2048, ready=True, **report)  # type: ignore[arg-type]
+    return Instance(f"{name}:1", role, None, rep, True)  # type: ignore[arg-type]
