@@ -295,9 +295,14 @@ class KVStore(Protocol):
         ...
 
     def batch_get_into(self, keys: Sequence[str], bufs: Sequence[memoryview], *,
-                       keep_on: str = ...) -> list[int | None]:
+                       keep_on: str = ..., keep_later: bool = ...) -> list[int | None]:
         """Read each object into its buffer: the size read, or None for a miss; objects read
-        from another host are kept on segment `keep_on` too ("" = not kept)."""
+        from another host are kept on segment `keep_on` too ("" = not kept), in the
+        background with `keep_later` (then `bufs` stay unchanged until `wait_kept`)."""
+        ...
+
+    def wait_kept(self) -> None:
+        """Wait for the background keeps `batch_get_into(keep_later=True)` started."""
         ...
 
     def batch_put(self, keys: Sequence[str], datas: Sequence[bytes | memoryview], *,

@@ -114,6 +114,7 @@ class EmbeddedPrefill(_Embedded):
         """Views over one grow-only buffer: the engine copies imported KV out before returning,
         so a single prefill at a time can reuse it and never pays for fresh pages."""
         size = self.block_bytes
+        self.store.wait_kept()  # a keep of the last prefill may still read these bytes
         if self._staging.nbytes < n * size:
             self._staging = np.empty(n * size, dtype=np.uint8)
         mv = byte_view(self._staging, writable=True)
@@ -167,7 +168,8 @@ class EmbeddedPrefill(_Embedded):
         Blocks read from another host are kept on `keep_on` (hot-block replication)."""
         views = self._staging_views(len(keys))
         try:
-            sizes = self.store.batch_get_into(keys, views, keep_on=keep_on)
+            # Kept in the background while the engine computes (`_staging_views` waits).
+            sizes = self.store.batch_get_into(keys, views, keep_on=keep_on, keep_later=True)
         except StoreError as e:
             log.warning("reading cached blocks failed; computing everything",
                         extra={"error": str(e)})

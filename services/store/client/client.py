@@ -30,11 +30,13 @@ is still verified on every read.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -66,6 +68,8 @@ from mooncake_k8s.store.wire import (
 )
 from mooncake_k8s.transfer import Peer, ReadOp, Tier, TransferEngine, WriteOp
 from mooncake_k8s.transfer.engine import TRANSPORTS
+
+log = logging.getLogger(__name__)
 
 _PLACEMENTS = {
     "local_first": pb.LOCAL_FIRST,
@@ -161,10 +165,16 @@ class StoreClient:
             self._call, self._write_checksummed, located, self._host_id, space_lease_bytes)
         self._classic = ClassicWriter(self._call, self._write_checksummed, self._host_id)
         self._keeper = Keeper(self._call, self._write_checksummed)
+        self._keep_pool: ThreadPoolExecutor | None = None
+        self._keeping: list[Future[None]] = []
+        self._keeping_lock = threading.Lock()
         self._count_lock = threading.Lock()
         self.local_reads = self.remote_reads = 0
 
     def close(self) -> None:
+        self.wait_kept()
+        if self._keep_pool is not None:
+            self._keep_pool.shutdown(wait=True)
         self._spaces.close()
         self.engine.close()
         self._link.close()
@@ -269,7 +279,8 @@ class StoreClient:
         return n
 
     def batch_get_into(
-        self, keys: Sequence[str], bufs: Sequence[Any], *, keep_on: str = ""
+        self, keys: Sequence[str], bufs: Sequence[Any], *, keep_on: str = "",
+        keep_later: bool = False,
     ) -> list[int | None]:
         """Read many objects; each result is the size read or None for a miss. Each object is
         read from its nearest replica (this host's through shared memory first).
@@ -281,7 +292,11 @@ class StoreClient:
         evicting; objects with a replica on that segment's host already are skipped. Keeping
         never fails the read: what could not be kept is counted (`kept_blocks`,
         `keep_skipped`, `keep_failures`, `last_keep_error`) and logged at debug, an unknown
-        segment name included. "" keeps nothing."""
+        segment name included. "" keeps nothing.
+
+        `keep_later`: return as soon as the reads are done and keep in the background (off
+        the caller's critical path: a prefill computes meanwhile); the caller must leave
+        `bufs` unchanged until `wait_kept()` returns."""
         if len(keys) != len(bufs):
             raise InvalidArgument("keys and bufs differ in length")
         if not isinstance(keep_on, str):
@@ -293,9 +308,26 @@ class StoreClient:
                 raise BufferTooSmall(f"buffer of {len(v)} bytes for object {k!r} of {info.size}")
         src: list[tuple[str, ObjectInfo] | None] = [None] * len(keys)
         out = self._read_into(keys, views, infos, src)
-        if keep_on:
+        if keep_on and keep_later:
+            with self._keeping_lock:
+                if self._keep_pool is None:
+                    self._keep_pool = ThreadPoolExecutor(1, thread_name_prefix="store-keep")
+                self._keeping.append(self._keep_pool.submit(self._keep, keep_on, keys, views,
+                                                            src))
+        elif keep_on:
             self._keep(keep_on, keys, views, src)
         return out
+
+    def wait_kept(self) -> None:
+        """Block until every keep `batch_get_into(keep_later=True)` started has ended (its
+        buffers may then be reused). Keeping never raises: see `batch_get_into`."""
+        with self._keeping_lock:
+            pending, self._keeping = self._keeping, []
+        for f in pending:
+            try:
+                f.result()
+            except Exception as e:  # counted by the keeper when it can; never the caller's
+                log.debug("keeping in the background failed", extra={"error": str(e)})
 
     def _keep(self, segment: str, keys: Sequence[str], views: Sequence[memoryview],
               src: Sequence[tuple[str, ObjectInfo] | None]) -> None:

@@ -163,6 +163,23 @@ def test_keep_on_adds_a_replica_here_and_the_next_read_is_local(bed: Bed) -> Non
         watcher.close()
 
 
+def test_keep_later_keeps_in_the_background_until_wait_kept(bed: Bed) -> None:
+    """A prefill reads a prefix from another host and computes while it is kept: the read
+    returns with the bytes, and after `wait_kept` the replica is on the reader's host."""
+    payload = bytes(range(200)) * 80
+    with bed.client("hA") as writer, bed.client("hB") as reader:
+        writer.batch_put(["bg1", "bg2"], [payload, payload[::-1]], segments=["na-dram-0"])
+        bufs = [bytearray(len(payload)), bytearray(len(payload))]
+        got = reader.batch_get_into(["bg1", "bg2"], bufs, keep_on="nb-dram-0", keep_later=True)
+        assert got == [len(payload)] * 2
+        assert bytes(bufs[0]) == payload and bytes(bufs[1]) == payload[::-1]
+        reader.wait_kept()
+        assert (reader.kept_blocks, reader.keep_failures) == (2, 0)
+        assert bed.replicas("bg1") == ["na-dram-0", "nb-dram-0"]
+        assert bed.replicas("bg2") == ["na-dram-0", "nb-dram-0"]
+        reader.wait_kept()  # nothing pending: returns at once
+
+
 def test_keep_on_never_evicts_and_never_fails_the_read(bed: Bed) -> None:
     payload = b"p" * 100_000
     with bed.client("hA", space_lease_bytes=0) as writer, bed.client("hB") as reader:
