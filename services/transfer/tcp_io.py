@@ -9,8 +9,10 @@ socket that lets large payloads bypass it, so data lands in its destination with
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import socket
 import struct
+import termios
 
 SOCK_BUF = 4 << 20
 """SO_SNDBUF / SO_RCVBUF asked for on every transfer socket (the kernel may cap it)."""
@@ -101,8 +103,25 @@ def _advance(bufs: list[bytes | memoryview], i: int, sent: int) -> int:
     return i
 
 
+def unsent(sock: socket.socket) -> int:
+    """Bytes this side sent that the peer has not acknowledged yet (SIOCOUTQ; 0 if unknown)."""
+    try:
+        out = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0")
+    except OSError:
+        return 0
+    return int(struct.unpack("i", out)[0])
+
+
 class Reader:
-    """A small receive buffer in front of a socket; large payloads bypass it."""
+    """A small receive buffer in front of a socket; large payloads bypass it.
+
+    Waiting for an answer after a large write is not a stall while our own bytes are still
+    leaving: the send that queued them returned with up to a socket buffer (several MiB) in
+    flight, which a slow link drains for longer than the receive timeout (8 MiB at 50 Mbit/s:
+    1.3 s). So a receive that times out is retried while the bytes the peer has not yet
+    acknowledged keep going down (`unsent`); a stall, which raises, is a whole timeout in which
+    none were acknowledged (none in flight included: the peer had everything and said
+    nothing)."""
 
     __slots__ = ("buf", "end", "sock", "start", "view")
 
@@ -127,8 +146,16 @@ class Reader:
         limit = len(self.buf) if readahead else start + n
         view = self.view
         recv_into = self.sock.recv_into
+        in_flight = -1
         while self.end - start < n:
-            k = recv_into(view[self.end : limit])
+            try:
+                k = recv_into(view[self.end : limit])
+            except (BlockingIOError, TimeoutError):
+                left = unsent(self.sock)
+                if left >= in_flight >= 0 or (in_flight < 0 and not left):
+                    raise  # a whole timeout without our bytes moving, or none in flight
+                in_flight = left  # still leaving (or just left: the peer gets one timeout)
+                continue
             if not k:
                 raise Closed("connection closed by peer")
             self.end += k
