@@ -219,8 +219,12 @@ def repeat_rows(b: Bench, tokens: int, label: str) -> dict[str, Any]:
 
 
 def a_to_b_row(b: Bench, tokens: int) -> dict[str, Any]:
-    """A prefix computed on prefill-0, then requested (plus a new tail) on prefill-1."""
+    """A prefix computed on prefill-0, then requested (plus a new tail) on prefill-1, after
+    one such fetch of another prefix (a server's steady state: B's staging memory in use)."""
     b.shape("1gbit")
+    warm = prompt("atobwarm", tokens)  # B's first fetch of this size faults in its staging
+    b.chat(warm, via="on-a")
+    b.chat(warm + " And once more: meadow.", via="fetch-b")
     text = prompt("atob", tokens)
     b.chat(text, via="on-a")
     load0 = b.load_seconds("prefill-1")
