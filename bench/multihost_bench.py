@@ -37,7 +37,6 @@ import http.client
 import json
 import os
 import platform
-import re
 import sys
 import tempfile
 import time
@@ -46,8 +45,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mooncake_k8s.store.testing import metric_value
 from mooncake_k8s.testbed import Testbed
-from mooncake_k8s.testbed.cluster import BedCluster, BedConfig
+from mooncake_k8s.testbed.cluster import BedCluster, BedConfig, http_ok
 
 MiB = 1 << 20
 BENCH_DIR = Path(__file__).resolve().parent
@@ -109,12 +109,7 @@ def metric_sum(url: str, name: str, labels: str = "") -> float:
     """Sum of a Prometheus sample family's values whose label text contains `labels`."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     with opener.open(url, timeout=10) as r:
-        text = r.read().decode()
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.M):
-        if labels in (m.group(1) or ""):
-            total += float(m.group(2))
-    return total
+        return metric_value(r.read().decode(), name, labels)
 
 
 # -- the cluster ----------------------------------------------------------------------------
@@ -159,13 +154,13 @@ class Bench:
                 "--prefill", addrs, "--decode", decodes, "--metrics-port", str(port + 50),
                 "--metrics-on-api-port", "--block-tokens", "64", *extra]
         c.procs[name] = host.spawn([sys.executable, "-m", "mooncake_k8s.cli", *args],
-                                   env=_env(c), log=c.log_dir / f"{name}.log")
+                                   env=c.env(), log=c.log_dir / f"{name}.log")
         self.sides[name] = f"http://{host.addr}:{port}"
 
     def wait_sides(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         for name, url in self.sides.items():
-            while not self.c.client_call(_ready, f"{url}/readyz"):
+            while not self.c.client_call(http_ok, f"{url}/readyz"):
                 self.c.check_alive()
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{name} not ready; see {self.c.log(name)}")
@@ -181,20 +176,6 @@ class Bench:
         url = f"http://{self.c.hosts[worker].addr}:{self.c.metrics_port}/metrics"
         return self.c.hosts[worker].call(metric_sum, url, "mooncake_prefill_seconds_sum",
                                          'phase="load"')
-
-
-def _env(c: BedCluster) -> dict[str, str]:
-    return {**os.environ, **c.config.extra_env, "MOONCAKE_CLUSTER_TOKEN": c.token,
-            "PYTHONUNBUFFERED": "1", "MOONCAKE_LOG_FORMAT": "text"}
-
-
-def _ready(url: str) -> bool:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(url, timeout=2) as r:
-            return bool(r.status == 200)
-    except OSError:
-        return False
 
 
 # -- the measurements -----------------------------------------------------------------------
@@ -299,7 +280,7 @@ def calibrate(b: Bench, args: list[str], name: str) -> dict[str, Any] | None:
     out = c.log_dir / f"{name}-{time.monotonic_ns()}.json"
     log = c.log_dir / f"{name}.log"
     p = c.hosts["conductor"].spawn([sys.executable, "-m", "mooncake_k8s.cli", "calibrate",
-                                    *args, "--out", str(out)], env=_env(c), log=log)
+                                    *args, "--out", str(out)], env=c.env(), log=log)
     try:
         p.wait(timeout=900)
     except Exception:

@@ -91,9 +91,13 @@ class BedCluster:
         self.hosts[name] = self.bed.host(name, rate=c.rate, delay=c.delay, loss=c.loss)
         return self.hosts[name]
 
+    def env(self) -> dict[str, str]:
+        """The environment of this cluster's processes (the token, the config's extras)."""
+        return {**os.environ, **self.config.extra_env, "MOONCAKE_CLUSTER_TOKEN": self.token,
+                "PYTHONUNBUFFERED": "1", "MOONCAKE_LOG_FORMAT": "text"}
+
     def _spawn(self, name: str, args: list[str]) -> None:
-        env = {**os.environ, **self.config.extra_env, "MOONCAKE_CLUSTER_TOKEN": self.token,
-               "PYTHONUNBUFFERED": "1", "MOONCAKE_LOG_FORMAT": "text"}
+        env = self.env()
         self.procs[name] = self.hosts[name].spawn(
             [sys.executable, "-m", "mooncake_k8s.cli", *args], env=env,
             log=self.log_dir / f"{name}.log")
@@ -141,7 +145,7 @@ class BedCluster:
         deadline = time.monotonic() + self.config.ready_timeout_s
         for name in [*self.workers, "conductor"]:
             url = f"http://{self.hosts[name].addr}:{self.metrics_port}/readyz"
-            while not self.hosts[name].call(_http_ok, url):
+            while not self.hosts[name].call(http_ok, url):
                 self.check_alive()
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{name} not ready within "
@@ -187,7 +191,8 @@ class BedCluster:
         self.stop()
 
 
-def _http_ok(url: str) -> bool:
+def http_ok(url: str) -> bool:
+    """Whether `url` answers 200 (no proxy; any failure is False)."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
         with opener.open(url, timeout=2) as r:
