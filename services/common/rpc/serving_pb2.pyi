@@ -74,7 +74,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., use_prefix_cache: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., plan: _Optional[_Union[KVPlan, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token", "text", "finished", "finish_reason", "prompt_tokens", "cached_tokens", "computed_tokens", "tail_key", "stored_blocks", "rejected_blocks", "queue_ms", "load_ms", "compute_ms", "store_ms")
+    __slots__ = ("first_token", "text", "finished", "finish_reason", "prompt_tokens", "cached_tokens", "computed_tokens", "tail_key", "stored_blocks", "rejected_blocks", "queue_ms", "load_ms", "compute_ms", "store_ms", "stages")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class PrefillResponse(_message.Message):
     LOAD_MS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     STORE_MS_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     text: str
     finished: bool
@@ -103,7 +104,28 @@ class PrefillResponse(_message.Message):
     load_ms: float
     compute_ms: float
     store_ms: float
-    def __init__(self, first_token: _Optional[int] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., tail_key: _Optional[str] = ..., stored_blocks: _Optional[int] = ..., rejected_blocks: _Optional[int] = ..., queue_ms: _Optional[float] = ..., load_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., store_ms: _Optional[float] = ...) -> None: ...
+    stages: _containers.RepeatedCompositeFieldContainer[StageStats]
+    def __init__(self, first_token: _Optional[int] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., tail_key: _Optional[str] = ..., stored_blocks: _Optional[int] = ..., rejected_blocks: _Optional[int] = ..., queue_ms: _Optional[float] = ..., load_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., store_ms: _Optional[float] = ..., stages: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ...) -> None: ...
+
+class StageStats(_message.Message):
+    __slots__ = ("stage", "layer_lo", "layer_hi", "busy_s", "idle_s", "bytes_in", "bytes_out", "kv_bytes")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_LO_FIELD_NUMBER: _ClassVar[int]
+    LAYER_HI_FIELD_NUMBER: _ClassVar[int]
+    BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    layer_lo: int
+    layer_hi: int
+    busy_s: float
+    idle_s: float
+    bytes_in: int
+    bytes_out: int
+    kv_bytes: int
+    def __init__(self, stage: _Optional[int] = ..., layer_lo: _Optional[int] = ..., layer_hi: _Optional[int] = ..., busy_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "tenant", "first_token", "sampling", "tail_key", "trace_context", "plan")
@@ -149,7 +171,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("instance_id", "role", "revision", "model", "model_fingerprint", "dtype", "block_tokens", "max_context", "ready", "draining", "queued_requests", "queued_tokens", "running", "kv_free_tokens", "kv_capacity_tokens", "local_segment", "engine", "kv_layout", "waiting", "bootstrap_addr", "tokenizer_fingerprint", "host_id")
+    __slots__ = ("instance_id", "role", "revision", "model", "model_fingerprint", "dtype", "block_tokens", "max_context", "ready", "draining", "queued_requests", "queued_tokens", "running", "kv_free_tokens", "kv_capacity_tokens", "local_segment", "engine", "kv_layout", "waiting", "bootstrap_addr", "tokenizer_fingerprint", "host_id", "pipeline_group", "pipeline_stage", "pipeline_group_size", "pipeline_whole")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +194,10 @@ class LoadReport(_message.Message):
     BOOTSTRAP_ADDR_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_GROUP_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_STAGE_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_WHOLE_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: str
     revision: str
@@ -194,4 +220,8 @@ class LoadReport(_message.Message):
     bootstrap_addr: str
     tokenizer_fingerprint: str
     host_id: str
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., revision: _Optional[str] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., running: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., local_segment: _Optional[str] = ..., engine: _Optional[str] = ..., kv_layout: _Optional[str] = ..., waiting: _Optional[int] = ..., bootstrap_addr: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., host_id: _Optional[str] = ...) -> None: ...
+    pipeline_group: str
+    pipeline_stage: int
+    pipeline_group_size: int
+    pipeline_whole: bool
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., revision: _Optional[str] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., running: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., local_segment: _Optional[str] = ..., engine: _Optional[str] = ..., kv_layout: _Optional[str] = ..., waiting: _Optional[int] = ..., bootstrap_addr: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., host_id: _Optional[str] = ..., pipeline_group: _Optional[str] = ..., pipeline_stage: _Optional[int] = ..., pipeline_group_size: _Optional[int] = ..., pipeline_whole: _Optional[bool] = ...) -> None: ...
