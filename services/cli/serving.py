@@ -25,6 +25,7 @@ from mooncake_k8s.cli.options import (
 from mooncake_k8s.common import defaults as d
 from mooncake_k8s.common.defaults import BLOCK_TOKENS
 from mooncake_k8s.engine.registry import ENGINE_KINDS
+from mooncake_k8s.prefill.pipeline.config import DEFAULT_CHUNK_TOKENS, DEFAULT_STAGE_TIMEOUT_S
 
 _host_opts = [
     click.option("--host", envvar="MOONCAKE_HOST", default="127.0.0.1", show_default=True,
@@ -164,6 +165,54 @@ def _segment_opt(default: str) -> Callable[[_F], _F]:
              "the network again (0 = none).")
 
 
+_pipeline_opts = [
+    click.option("--pipeline-group", envvar="MOONCAKE_PIPELINE_GROUP", default="",
+                 show_envvar=True, help="Name of the prefill group this worker is a stage of "
+                 "(chunked pipeline-parallel prefill) [default: none, a single instance]."),
+    click.option("--pipeline-group-size", envvar="MOONCAKE_PIPELINE_GROUP_SIZE", default=1,
+                 show_default=True, show_envvar=True, type=click.IntRange(1, 64),
+                 help="Stages in the group, each computing an equal share of the layers."),
+    click.option("--pipeline-stage", envvar="MOONCAKE_PIPELINE_STAGE", default="0",
+                 show_default=True, show_envvar=True,
+                 help="This worker's stage (0 = the leader, which takes Prefill calls), or "
+                      "'auto': MOONCAKE_POD_INDEX (else the hostname's -<n>) mod group size."),
+    click.option("--pipeline-next", envvar="MOONCAKE_PIPELINE_NEXT", default="",
+                 show_envvar=True, help="gRPC address of the next stage (every stage but the "
+                 "last); '{index}' is replaced by this pod's index + 1."),
+    click.option("--pipeline-chunk-tokens", envvar="MOONCAKE_PIPELINE_CHUNK_TOKENS",
+                 default=DEFAULT_CHUNK_TOKENS, show_default=True, show_envvar=True,
+                 type=int, help="Tokens per pipeline chunk: stage s passes a chunk on and "
+                 "computes the next one at once (a multiple of the engine's prefill chunk)."),
+    click.option("--pipeline-stage-timeout", envvar="MOONCAKE_PIPELINE_STAGE_TIMEOUT",
+                 default=DEFAULT_STAGE_TIMEOUT_S, show_default=True, show_envvar=True,
+                 type=click.FloatRange(min=0, min_open=True),
+                 help="Seconds any wait on another stage may take; a dead or silent stage "
+                      "fails the prompt (retriable) within it."),
+]
+
+
+def _pipeline(o: dict[str, Any]) -> dict[str, Any]:
+    """The pipeline flags as WorkerConfig fields, resolved and checked (a UsageError naming
+    the flag otherwise)."""
+    from mooncake_k8s.common.errors import InvalidArgument
+    from mooncake_k8s.prefill.pipeline.config import check_pipeline, resolve_next, resolve_stage
+
+    size = o["pipeline_group_size"]
+    try:
+        stage = resolve_stage(o["pipeline_stage"], size)
+        nxt = resolve_next(o["pipeline_next"]) if stage < size - 1 else ""
+        check_pipeline(group=o["pipeline_group"], group_size=size, stage=stage, next_addr=nxt,
+                       chunk_tokens=o["pipeline_chunk_tokens"],
+                       compute_chunk=o.get("block_tokens", BLOCK_TOKENS),
+                       timeout_s=o["pipeline_stage_timeout"], engine_kind=o["engine_kind"])
+    except InvalidArgument as e:
+        raise click.UsageError(str(e)) from e
+    return {"pipeline_group": o["pipeline_group"] if size > 1 else "",
+            "pipeline_group_size": size, "pipeline_stage": stage, "pipeline_next": nxt,
+            "pipeline_chunk_tokens": o["pipeline_chunk_tokens"],
+            "pipeline_stage_timeout_s": o["pipeline_stage_timeout"]}
+
+
 def _worker(role: str, o: dict[str, Any], **extra: Any) -> None:
     o["host"] = _check_bind(o["host"], o["allow_any_address"])
     kind = o["engine_kind"]
@@ -235,14 +284,18 @@ def _worker(role: str, o: dict[str, Any], **extra: Any) -> None:
 @_apply(_worker_opts)
 @_apply(_model_opts)
 @_segment_opt(PREFILL_SEGMENT_SIZE)
+@_apply(_pipeline_opts)
 @_token_opt
 @_with_logs
 @click.option("--sglang-bootstrap-port", "bootstrap_port", envvar="MOONCAKE_SGLANG_BOOTSTRAP_PORT",
               default=0, show_default=True, show_envvar=True, type=click.IntRange(0, 65535),
               help="SGLang: port of the PD bootstrap server decode instances meet (0 = any).")
 def prefill(bootstrap_port: int, local_segment_size: int, **o: Any) -> None:
-    """Run a prefill worker: computes prompts' KV (reusing cached blocks) and the first token."""
-    _worker("prefill", o, bootstrap_port=bootstrap_port, local_segment_size=local_segment_size)
+    """Run a prefill worker: computes prompts' KV (reusing cached blocks) and the first token;
+    with --pipeline-group-size > 1, one stage of a pipeline-parallel prefill group."""
+    pipeline = _pipeline(o)
+    _worker("prefill", o, bootstrap_port=bootstrap_port, local_segment_size=local_segment_size,
+            **pipeline)
 
 
 @click.command("decode")

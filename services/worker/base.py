@@ -85,6 +85,22 @@ class WorkerConfig:
     stall_timeout_s: float = 300.0
     """Liveness: /healthz fails once a call into the engine has waited this long while nothing
     else the engine serves moved (a hung engine), so the kubelet restarts the pod."""
+    pipeline_group: str = ""
+    """The prefill group this worker is a stage of ("" = a single instance)."""
+    pipeline_group_size: int = 1
+    pipeline_stage: int = 0
+    """0 = the group's leader (the only stage taking Prefill calls)."""
+    pipeline_next: str = ""
+    """The next stage's gRPC address ("" on the last stage; `{index}` already resolved)."""
+    pipeline_chunk_tokens: int = 256
+    """Tokens per pipeline chunk (a multiple of the engine's prefill chunk)."""
+    pipeline_stage_timeout_s: float = 10.0
+    """The longest any wait on another stage may take before the prompt fails UNAVAILABLE."""
+
+    @property
+    def pipelined(self) -> bool:
+        """A stage of a group of more than one (else a single instance)."""
+        return self.pipeline_group_size > 1
 
 
 E = TypeVar("E", bound=Engine, default=Engine)

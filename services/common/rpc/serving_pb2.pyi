@@ -225,3 +225,150 @@ class LoadReport(_message.Message):
     pipeline_group_size: int
     pipeline_whole: bool
     def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., revision: _Optional[str] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., running: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., local_segment: _Optional[str] = ..., engine: _Optional[str] = ..., kv_layout: _Optional[str] = ..., waiting: _Optional[int] = ..., bootstrap_addr: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., host_id: _Optional[str] = ..., pipeline_group: _Optional[str] = ..., pipeline_stage: _Optional[int] = ..., pipeline_group_size: _Optional[int] = ..., pipeline_whole: _Optional[bool] = ...) -> None: ...
+
+class StageHello(_message.Message):
+    __slots__ = ("group", "group_size", "stage", "model_fingerprint", "revision", "num_layers")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    group_size: int
+    stage: int
+    model_fingerprint: str
+    revision: str
+    num_layers: int
+    def __init__(self, group: _Optional[str] = ..., group_size: _Optional[int] = ..., stage: _Optional[int] = ..., model_fingerprint: _Optional[str] = ..., revision: _Optional[str] = ..., num_layers: _Optional[int] = ...) -> None: ...
+
+class StageHelloReply(_message.Message):
+    __slots__ = ("ok", "problem", "stage", "layer_lo", "layer_hi", "instance_id", "inbox_segment", "inbox_path", "inbox_size", "inbox_address", "host_id", "slots", "slot_bytes", "downstream")
+    OK_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_LO_FIELD_NUMBER: _ClassVar[int]
+    LAYER_HI_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    INBOX_SEGMENT_FIELD_NUMBER: _ClassVar[int]
+    INBOX_PATH_FIELD_NUMBER: _ClassVar[int]
+    INBOX_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INBOX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DOWNSTREAM_FIELD_NUMBER: _ClassVar[int]
+    ok: bool
+    problem: str
+    stage: int
+    layer_lo: int
+    layer_hi: int
+    instance_id: str
+    inbox_segment: str
+    inbox_path: str
+    inbox_size: int
+    inbox_address: str
+    host_id: str
+    slots: int
+    slot_bytes: int
+    downstream: _containers.RepeatedCompositeFieldContainer[StageHelloReply]
+    def __init__(self, ok: _Optional[bool] = ..., problem: _Optional[str] = ..., stage: _Optional[int] = ..., layer_lo: _Optional[int] = ..., layer_hi: _Optional[int] = ..., instance_id: _Optional[str] = ..., inbox_segment: _Optional[str] = ..., inbox_path: _Optional[str] = ..., inbox_size: _Optional[int] = ..., inbox_address: _Optional[str] = ..., host_id: _Optional[str] = ..., slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., downstream: _Optional[_Iterable[_Union[StageHelloReply, _Mapping]]] = ...) -> None: ...
+
+class StageBegin(_message.Message):
+    __slots__ = ("request_id", "token_ids", "reuse_keys", "keep_fetched", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    REUSE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FETCHED_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    reuse_keys: _containers.RepeatedScalarFieldContainer[str]
+    keep_fetched: bool
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reuse_keys: _Optional[_Iterable[str]] = ..., keep_fetched: _Optional[bool] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class StageStart(_message.Message):
+    __slots__ = ("start", "first_block", "put_plan")
+    START_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    PUT_PLAN_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    first_block: int
+    put_plan: bytes
+    def __init__(self, start: _Optional[int] = ..., first_block: _Optional[int] = ..., put_plan: _Optional[bytes] = ...) -> None: ...
+
+class StageChunk(_message.Message):
+    __slots__ = ("slot", "start", "end", "nbytes", "checksum", "last_token_pass")
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    LAST_TOKEN_PASS_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    start: int
+    end: int
+    nbytes: int
+    checksum: int
+    last_token_pass: bool
+    def __init__(self, slot: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., nbytes: _Optional[int] = ..., checksum: _Optional[int] = ..., last_token_pass: _Optional[bool] = ...) -> None: ...
+
+class StageEnd(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StageMessage(_message.Message):
+    __slots__ = ("begin", "start", "chunk", "end")
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    begin: StageBegin
+    start: StageStart
+    chunk: StageChunk
+    end: StageEnd
+    def __init__(self, begin: _Optional[_Union[StageBegin, _Mapping]] = ..., start: _Optional[_Union[StageStart, _Mapping]] = ..., chunk: _Optional[_Union[StageChunk, _Mapping]] = ..., end: _Optional[_Union[StageEnd, _Mapping]] = ...) -> None: ...
+
+class StageBegun(_message.Message):
+    __slots__ = ("verified_blocks",)
+    VERIFIED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    verified_blocks: int
+    def __init__(self, verified_blocks: _Optional[int] = ...) -> None: ...
+
+class StageCredit(_message.Message):
+    __slots__ = ("slot",)
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    slot: int
+    def __init__(self, slot: _Optional[int] = ...) -> None: ...
+
+class StageResult(_message.Message):
+    __slots__ = ("last_hidden", "dtype", "failed_objects", "stages", "layer_ranges")
+    LAST_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    FAILED_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_RANGES_FIELD_NUMBER: _ClassVar[int]
+    last_hidden: bytes
+    dtype: str
+    failed_objects: _containers.RepeatedScalarFieldContainer[int]
+    stages: _containers.RepeatedCompositeFieldContainer[StageStats]
+    layer_ranges: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, last_hidden: _Optional[bytes] = ..., dtype: _Optional[str] = ..., failed_objects: _Optional[_Iterable[int]] = ..., stages: _Optional[_Iterable[_Union[StageStats, _Mapping]]] = ..., layer_ranges: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class StageEvent(_message.Message):
+    __slots__ = ("begun", "credit", "result")
+    BEGUN_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    begun: StageBegun
+    credit: StageCredit
+    result: StageResult
+    def __init__(self, begun: _Optional[_Union[StageBegun, _Mapping]] = ..., credit: _Optional[_Union[StageCredit, _Mapping]] = ..., result: _Optional[_Union[StageResult, _Mapping]] = ...) -> None: ...

@@ -253,3 +253,118 @@ class Decode:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class PrefillStageStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Hello = channel.unary_unary(
+                '/mooncake.serving.v1.PrefillStage/Hello',
+                request_serializer=mooncake__k8s_dot_common_dot_rpc_dot_serving__pb2.StageHello.SerializeToString,
+                response_deserializer=mooncake__k8s_dot_common_dot_rpc_dot_serving__pb2.StageHelloReply.FromString,
+                _registered_method=True)
+        self.Run = channel.stream_stream(
+                '/mooncake.serving.v1.PrefillStage/Run',
+                request_serializer=mooncake__k8s_dot_common_dot_rpc_dot_serving__pb2.StageMessage.SerializeToString,
+                response_deserializer=mooncake__k8s_dot_common_dot_rpc_dot_serving__pb2.StageEvent.FromString,
+                _registered_method=True)
+
+
+class PrefillStageServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Hello(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Run(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_PrefillStageServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Hello': grpc.unary_unary_rpc_method_handler(
+                    servicer.Hello,
+                    request_deserializer=mooncake__k8s_dot_common_dot_rpc_dot_serving__pb2.StageHello.FromString,
+                    response_serializer=mooncake__k8s_dot_common_dot_rpc_dot_serving__pb2.StageHelloReply.SerializeToString,
+            ),
+            'Run': grpc.stream_stream_rpc_method_handler(
+                    servicer.Run,
+                    request_deserializer=mooncake__k8s_dot_common_dot_rpc_dot_serving__pb2.StageMessage.FromString,
+                    response_serializer=mooncake__k8s_dot_common_dot_rpc_dot_serving__pb2.StageEvent.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'mooncake.serving.v1.PrefillStage', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('mooncake.serving.v1.PrefillStage', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class PrefillStage:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Hello(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mooncake.serving.v1.PrefillStage/Hello',
+            mooncake__k8s_dot_common_dot_rpc_dot_serving__pb2.StageHello.SerializeToString,
+            mooncake__k8s_dot_common_dot_rpc_dot_serving__pb2.StageHelloReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Run(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/mooncake.serving.v1.PrefillStage/Run',
+            mooncake__k8s_dot_common_dot_rpc_dot_serving__pb2.StageMessage.SerializeToString,
+            mooncake__k8s_dot_common_dot_rpc_dot_serving__pb2.StageEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
