@@ -597,3 +597,17 @@ class StatsResponse(_message.Message):
     meta_bytes_estimate: int
     recovering: bool
     def __init__(self, master_id: _Optional[str] = ..., objects: _Optional[int] = ..., pending_puts: _Optional[int] = ..., nodes: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., evictions: _Optional[int] = ..., spills: _Optional[int] = ..., promotions: _Optional[int] = ..., meta_bytes_estimate: _Optional[int] = ..., recovering: _Optional[bool] = ...) -> None: ...
+
+class StreamPlan(_message.Message):
+    __slots__ = ("objects",)
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    objects: _containers.RepeatedCompositeFieldContainer[PlanObject]
+    def __init__(self, objects: _Optional[_Iterable[_Union[PlanObject, _Mapping]]] = ...) -> None: ...
+
+class PlanObject(_message.Message):
+    __slots__ = ("size", "replicas")
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    size: int
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    def __init__(self, size: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...

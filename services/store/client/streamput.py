@@ -10,6 +10,14 @@ Once every byte is sent (the block headers last: they hold the payload's checksu
 checksums each object over its full bytes (xxh3-64, what the store verifies on every read)
 and publishes them all with one `PutCommit` per lease.
 
+Several writers (a pipeline group's stages, each computing some layers of every block): the
+leader's `plan()` leases at once and describes where every byte goes (`plan`); the other
+writers write their ranges into every replica with `planwrite.PlanWriter`, and once they say
+they are done the leader reads those ranges back from its nearest replica (`fill_remote`, shared
+memory on its own host) so that its views hold the whole objects, writes the headers and
+`finish`es as above. Only ranges either sent here or filled from a replica count: an object
+with a byte neither wrote is never committed.
+
 Nothing here is allowed to lose or corrupt a put: an object is visible only once committed
 with the checksum of the bytes written. Any failure (no lease, a node gone mid-stream, a lease
 lost to a master restart or its expiry) leaves the failed objects uncommitted and reports them;
@@ -38,8 +46,9 @@ from mooncake_k8s.common.errors import (
 )
 from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.store.client.client import _PLACEMENTS, StoreClient
+from mooncake_k8s.store.client.plan import PlanObject, PlanReplica, encode_plan
 from mooncake_k8s.store.wire import code_error, located
-from mooncake_k8s.transfer import Peer, WriteOp
+from mooncake_k8s.transfer import Peer, ReadOp, Tier, WriteOp
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +111,12 @@ class StreamPut:
         self._where: dict[int, _Lease] = {i: ls for ls in self._leases for i in ls.objects}
         self._queue: queue.SimpleQueue[tuple[int, int, int, Any] | None] = queue.SimpleQueue()
         self.error: Exception | None = None
-        self._sent = [0] * len(self.keys)
-        """Bytes of each object written to every replica (ranges never overlap)."""
+        self._done: list[list[tuple[int, int]]] = [[] for _ in self.keys]
+        """Ranges of each object in every replica: sent from here or filled from a replica."""
+        self.bytes_filled = 0
+        """Bytes `fill_remote` read back (other writers' ranges)."""
+        self._lease_lock = threading.Lock()
+        self._leased = False
         self._thread = threading.Thread(target=self._run, name="kv-stream", daemon=True)
         self._thread.start()
 
@@ -128,9 +141,77 @@ class StreamPut:
     def ready(self, index: int, start: int, end: int, event: Any = None) -> None:
         """Bytes [start, end) of object `index` are final in its view (or will be once
         `event`, a CUDA event, completes): send them."""
-        if not 0 <= start < end <= len(self.views[index]):
-            raise InvalidArgument(f"range [{start}, {end}) outside object {index}")
+        self._check(index, start, end)
         self._queue.put((index, start, end, event))
+
+    def _check(self, index: int, start: int, end: int) -> None:
+        if not 0 <= index < len(self.views):
+            raise InvalidArgument(f"object index {index} outside 0..{len(self.views) - 1}")
+        if not 0 <= start < end <= len(self.views[index]):
+            raise InvalidArgument(f"range [{start}, {end}) outside object {index} "
+                                  f"of {len(self.views[index])} bytes")
+
+    def plan(self) -> bytes:
+        """Lease every object's space now (blocking) and describe where each of its bytes
+        goes (`plan`), for `PlanWriter`s in other processes. The leases stay alive (the
+        sender's keepalive) until `finish` or `abort`. Raises StreamFailed when the space
+        cannot be leased (the caller stores nothing through this stream)."""
+        self._ensure_leased()
+        if self.error is not None:
+            raise StreamFailed(f"leasing the stream's space failed: {self.error}")
+        objects = []
+        for i, view in enumerate(self.views):
+            lease = self._where[i]
+            objects.append(PlanObject(len(view), tuple(
+                PlanReplica(peer, desc, base + lease.offsets[i])
+                for peer, desc, base in lease.replicas)))
+        return encode_plan(objects)
+
+    def fill_remote(self, ranges: Sequence[tuple[int, int, int]]) -> None:
+        """Read (object index, start, end) ranges that other writers wrote into the replicas
+        (`PlanWriter`) back into our views, each from its nearest replica that answers
+        (shared memory on this host first). They then count as written for `finish`. Raises
+        InvalidArgument for a range outside its object, StreamFailed when no replica of a
+        range could be read (or the stream failed already)."""
+        items = [(int(i), int(s), int(e)) for i, s, e in ranges]
+        for i, s, e in items:
+            self._check(i, s, e)
+        self._ensure_leased()
+        if self.error is not None:
+            raise StreamFailed(f"streaming failed: {self.error}")
+        failed: dict[str, Exception] = {}
+        left = items
+        while left:
+            by_peer: dict[str, tuple[Peer, list[tuple[int, int, int]], list[ReadOp]]] = {}
+            for i, s, e in left:
+                rep = next((r for r in self._nearest(i) if r[0].address not in failed), None)
+                if rep is None:
+                    why = "; ".join(f"{a}: {err}" for a, err in failed.items())
+                    raise StreamFailed(f"no replica of object {i} could be read: {why}")
+                peer, desc, base = rep
+                got = by_peer.setdefault(peer.address, (peer, [], []))
+                got[1].append((i, s, e))
+                got[2].append(ReadOp(desc, base + self._where[i].offsets[i] + s,
+                                     self.views[i][s:e]))
+            left = []
+            for peer, batch, ops in by_peer.values():
+                try:
+                    self._client.engine.read(peer, ops)
+                except TransferError as err:
+                    self._client._failed(peer)
+                    failed[peer.address] = err
+                    left.extend(batch)
+                    continue
+                for i, s, e in batch:
+                    self._done[i].append((s, e))
+                    self.bytes_filled += e - s
+
+    def _nearest(self, index: int) -> list[tuple[Peer, Any, int]]:
+        """The replicas of object `index`, nearest first: healthy before suspect, this host's
+        before others, DRAM before SSD."""
+        c = self._client
+        return sorted(self._where[index].replicas, key=lambda r: (
+            c._health.suspect(r[0].address), r[0].host_id != c._host_id, r[1].tier != Tier.DRAM))
 
     def finish(self, skip: Sequence[int] = ()) -> list[Exception | None]:
         """Publish every object but those in `skip` (their space is released): a result per
@@ -144,10 +225,11 @@ class StreamPut:
             return [StreamFailed(f"streaming failed: {self.error}")] * len(self.keys)
         results: list[Exception | None] = [StreamFailed("skipped")] * len(self.keys)
         skipped = set(skip)
-        for i, got in enumerate(self._sent):
-            if got != len(self.views[i]) and i not in skipped:
+        for i, done in enumerate(self._done):
+            gap = _gap(done, len(self.views[i]))
+            if gap and i not in skipped:
                 skipped.add(i)
-                results[i] = StreamFailed(f"{got} of {len(self.views[i])} bytes streamed")
+                results[i] = StreamFailed(f"object {i}: {gap}")
         for lease in self._leases:
             self._commit(lease, skipped, results)
         return results
@@ -161,12 +243,21 @@ class StreamPut:
 
     # -- the sender thread --------------------------------------------------------------------
 
+    def _ensure_leased(self) -> None:
+        """Lease every extent once, from whichever thread asks first (the sender as it
+        starts, or `plan`); a failure is the stream's error."""
+        with self._lease_lock:
+            if self._leased:
+                return
+            self._leased = True
+            try:
+                for lease in self._leases:
+                    self._lease(lease)
+            except Exception as e:  # no space, no master, bad segment: the plain path decides
+                self.error = self.error or e
+
     def _run(self) -> None:
-        try:
-            for lease in self._leases:
-                self._lease(lease)
-        except Exception as e:  # no space, no master, bad segment: the plain path decides
-            self.error = e
+        self._ensure_leased()
         while True:
             timeout = self._next_keepalive()
             try:
@@ -243,7 +334,7 @@ class StreamPut:
                 self.error = e
                 return
         for i, start, end, _ in items:
-            self._sent[i] += end - start
+            self._done[i].append((start, end))
 
     # -- finishing ----------------------------------------------------------------------------
 
@@ -274,6 +365,18 @@ class StreamPut:
                     self._client._call("SpaceRelease",
                                        pb.SpaceReleaseRequest(lease_id=lease.lease_id))
                 lease.lease_id = 0
+
+
+def _gap(done: list[tuple[int, int]], size: int) -> str:
+    """What is wrong with ranges `done` as a cover of [0, size): "" when they cover it once."""
+    pos = 0
+    for start, end in sorted(done):
+        if start > pos:
+            return f"bytes [{pos}, {start}) of {size} were never written"
+        if start < pos:
+            return f"bytes [{start}, {min(pos, end)}) were written twice"
+        pos = end
+    return "" if pos == size else f"bytes [{pos}, {size}) of {size} were never written"
 
 
 def _align(n: int, a: int = 64) -> int:
