@@ -15,12 +15,16 @@ Instances and failures (how a partition shows):
 
 - `mooncake_conductor_instances{role,state}`: instances by state, `ready` (routed to),
   `unreachable` (its load polls time out or find nothing listening: a partitioned host, a dead
-  or paused process) or `unready` (it answers but is loading, draining, serves another
-  tokenizer, or just failed a request).
+  or paused process), `unready` (it answers but is loading, draining, serves another
+  tokenizer, or just failed a request), `stage` (a prefill group's later stage: never a target,
+  reached through its leader) or `incomplete` (a prefill group's leader while a stage is
+  missing: the group is out of rotation until it is whole).
 - `mooncake_conductor_reroutes_total{role,cause}`: calls the Conductor gave up on one instance,
   moving the request to another (a retry before the client saw output, a resume after):
   `cause` is `unreachable` (abandoned: the instance stopped answering its polls while the call
-  waited) or the gRPC status the call failed with (`unavailable`, `deadline_exceeded`, ...).
+  waited) or the gRPC status the call failed with (`unavailable`, `deadline_exceeded`, ...),
+  prefixed `group_` when the instance was a prefill group's leader (`group_unavailable`: a
+  stage died or was partitioned mid-prompt; the request went to another target).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 6
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _RESUME_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-INSTANCE_STATES = ("ready", "unready", "unreachable")
+INSTANCE_STATES = ("ready", "unready", "unreachable", "stage", "incomplete")
 """`Instance.state`'s values, each exported (at 0 too) for every role."""
 
 
@@ -83,6 +87,7 @@ class ConductorMetrics:
             "went on to another instance", ["role", "cause"], registry=r)
         for role in ("prefill", "decode"):  # exported (at 0) before the first partition
             self.reroutes.labels(role, "unreachable")
+        self.reroutes.labels("prefill", "group_unavailable")
         self.resumes = Counter(
             "mooncake_conductor_resumes_total",
             "Streams resumed on another decode instance after theirs failed mid-stream",

@@ -42,6 +42,7 @@ from mooncake_k8s.conductor.http.protocol import (
 )
 from mooncake_k8s.conductor.metrics import ConductorMetrics
 from mooncake_k8s.conductor.sched.admission import PRIORITIES
+from mooncake_k8s.conductor.serving.instances import Instance
 from mooncake_k8s.conductor.serving.pipeline import Delta, Generation, Outcome, Pipeline
 
 log = logging.getLogger(__name__)
@@ -148,6 +149,7 @@ class Frontend:
         return [
             *self.ops_routes(with_metrics),
             web.get("/v1/models", self.models),
+            web.get("/v1/instances", self.instances),
             web.post("/v1/chat/completions", self.chat),
             web.post("/v1/completions", self.completions),
         ]
@@ -185,6 +187,15 @@ class Frontend:
         }]
         return web.json_response({"object": "list", "data": data})
 
+    async def instances(self, request: web.Request) -> web.Response:
+        """The instances behind this Conductor as it sees them (prefill groups included:
+        stages and incomplete groups are listed, never routed to). Ids, not addresses: an
+        API key holder learns the topology, not where to reach the workers."""
+        self.authenticate(request)
+        return web.json_response({role: [_listing(i) for i in pool.instances.values()]
+                                  for role, pool in (("prefill", self.pipeline.prefills),
+                                                     ("decode", self.pipeline.decodes))})
+
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, Endpoint.CHAT)
 
@@ -215,12 +226,14 @@ class Frontend:
             if priority not in PRIORITIES:
                 raise ApiError(400, f"X-Mooncake-Priority must be one of {', '.join(PRIORITIES)}"
                                     f", not {priority!r}", param="X-Mooncake-Priority")
+            group = _group_size(request)
             raw = await read_body(request, self.limits)
             body = decode_json(raw, self.limits.max_json_depth)
             req: _Common = parse(kind.body, body)
             with tracing.span("conductor.request", endpoint=endpoint):
                 gen, max_tokens = await self._prepare(req, kind, tenant)
                 gen.priority = priority
+                gen.prefill_group_size = group
                 return await self._respond(request, req, kind, gen, max_tokens, endpoint)
         except ANSWERED as exc:
             e = api_error(exc)
@@ -350,6 +363,7 @@ class Frontend:
     @staticmethod
     def _route_headers(out: Outcome) -> dict[str, str]:
         return {"X-Mooncake-Prefill": out.prefill, "X-Mooncake-Decode": out.decode,
+                "X-Mooncake-Prefill-Stages": str(out.prefill_stages),
                 "X-Mooncake-Cached-Tokens": str(out.cached_tokens)}
 
     @staticmethod
@@ -434,6 +448,38 @@ class Frontend:
         except ConnectionError:
             return None
         return resp
+
+
+_GROUP_HEADER = "X-Mooncake-Prefill-Group-Size"
+
+
+def _group_size(request: web.Request) -> int:
+    """`X-Mooncake-Prefill-Group-Size: G`: prefill on a target of G stages only (1: a single
+    instance, G >= 2: a prefill group of G); absent: any target. For measuring each kind
+    (`mooncake calibrate`) and comparing them; a 503 says when none of that size is ready."""
+    raw = request.headers.get(_GROUP_HEADER)
+    if raw is None:
+        return 0
+    try:
+        size = int(raw.strip())
+    except ValueError:
+        size = 0
+    if not 1 <= size <= 64:
+        raise ApiError(400, f"{_GROUP_HEADER} must be an integer from 1 to 64, not {raw!r}",
+                       param=_GROUP_HEADER)
+    return size
+
+
+def _listing(inst: Instance) -> dict[str, Any]:
+    """One instance in `GET /v1/instances`."""
+    r = inst.report
+    out: dict[str, Any] = {"instance_id": inst.instance_id, "state": inst.state,
+                           "revision": r.revision if r else "", "error": inst.last_error}
+    if inst.group_size > 1 and r is not None:
+        out["group"] = {"name": r.pipeline_group, "stage": r.pipeline_stage,
+                        "size": inst.group_size, "whole": r.pipeline_whole,
+                        "broken": inst.group_broken}
+    return out
 
 
 def max_token_bytes(tokenizer: Any) -> int | None:

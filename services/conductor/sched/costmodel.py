@@ -14,6 +14,17 @@ the *shape* of the model only:
 - decode step: ``base + per_seq * batch + per_ctx_token * context_tokens`` (weights are read
   once per step; every sequence adds compute; every cached token is read once per step).
 
+Prefill groups (chunked pipeline-parallel prefill, issue 21): a group of G stages is one
+prefill target with its own prefill fit, `prefill_groups[G]` (measured by `mooncake calibrate`
+through the group's leader; same shape as `prefill`). A profile without an entry for G uses an
+estimate from the single-instance fit (`pipelined`): every stage computes 1/G of the layers, so
+the per-token and attention terms are divided by G, and the pipeline's fill (the last stage
+starts G-1 stage-chunks late) is added to the base as (G-1)/G of one chunk's single-instance
+prefill at `PIPELINE_CHUNK_TOKENS`. For n >= chunk tokens that is the pipeline's
+``(k + G - 1) / (G k)`` of the single time (k chunks) with the per-request base kept whole; below
+one chunk it overstates the group's time, so a short prompt prefers a single instance that is as
+loaded (a group holds G hosts for it).
+
 The fits are ordinary least squares with coefficients clamped at zero (a negative time per
 token is noise, never physics).
 """
@@ -35,6 +46,9 @@ DEFAULT_PROFILE = "llama3-70b-a800x8"
 BUILTIN_CPU_PROFILE = "smollm2-135m-cpu"
 """Measured with `mooncake calibrate` on `mooncake up` serving the built-in SmolLM2-135M on a
 CPU; the Conductor's default when it serves that model on a CPU (`default_profile`)."""
+PIPELINE_CHUNK_TOKENS = 256
+"""The workers' default pipeline chunk (`WorkerConfig.pipeline_chunk_tokens`): the chunk the
+uncalibrated group estimate (`pipelined`) assumes for the pipeline's fill."""
 
 
 class CostModelError(ValueError):
@@ -91,19 +105,27 @@ class CostModel:
     """Where the numbers come from (calibration run, paper table, ...)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Free-form provenance: assumptions, fit quality, sample counts."""
+    prefill_groups: Mapping[int, Prefill] = field(default_factory=dict)
+    """Group size (>= 2) -> the prefill fit of a pipelined group of that many stages, as
+    measured through its leader; a size not listed is estimated (`pipelined`)."""
+    _estimates: dict[int, Prefill] = field(default_factory=dict, init=False, repr=False,
+                                           compare=False)
 
     def __post_init__(self) -> None:
         if self.kv_bytes_per_token <= 0:
             raise CostModelError("kv_bytes_per_token must be > 0")
+        for g, pf in self.prefill_groups.items():
+            if not isinstance(g, int) or isinstance(g, bool) or g < 2:
+                raise CostModelError(f"prefill_groups: group size must be an integer >= 2, "
+                                     f"got {g!r}")
+            _check(f"prefill_groups.{g}", pf)
         for k, link in self.transfer.items():
             if k not in PATHS:
                 raise CostModelError(f"unknown transfer path {k!r}; known: {list(PATHS)}")
             if not link.gbps > 0 or link.latency_ms < 0:
                 raise CostModelError(f"transfer.{k}: gbps must be > 0 and latency_ms >= 0")
         for part, obj in (("prefill", self.prefill), ("decode", self.decode)):
-            for k, v in asdict(obj).items():
-                if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
-                    raise CostModelError(f"{part}.{k} must be a finite number >= 0, got {v!r}")
+            _check(part, obj)
         if "pool" not in self.transfer:
             raise CostModelError("transfer.pool is required (the path to the shared KV pool)")
 
@@ -126,8 +148,25 @@ class CostModel:
         here = self.transfer_ms("local", tokens)
         return wire if wire > here or tokens <= 0 else here + self.link("pool").latency_ms
 
-    def prefill_ms(self, new: int, cached: int = 0) -> float:
-        return self.prefill.ms(new, cached)
+    def prefill_ms(self, new: int, cached: int = 0, group: int = 1) -> float:
+        """Prefill time on a single instance (`group` 1) or a group of `group` stages."""
+        if group <= 1:
+            return self.prefill.ms(new, cached)
+        return self.prefill_for(group).ms(new, cached)
+
+    def prefill_for(self, group: int) -> Prefill:
+        """The prefill fit of a target of `group` stages: `prefill` for a single instance,
+        the measured `prefill_groups` entry, else the estimate (`pipelined`), made once."""
+        if group <= 1:
+            return self.prefill
+        pf = self.prefill_groups.get(group) or self._estimates.get(group)
+        if pf is None:
+            pf = self._estimates[group] = pipelined(self.prefill, group)
+        return pf
+
+    def measured_group(self, group: int) -> bool:
+        """Whether `prefill_for(group)` is measured (not the estimate)."""
+        return group <= 1 or group in self.prefill_groups
 
     def step_ms(self, batch: int, context_tokens: int) -> float:
         return self.decode.step_ms(batch, context_tokens)
@@ -135,14 +174,16 @@ class CostModel:
     # -- files -----------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "name": self.name, "source": self.source,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "prefill": asdict(self.prefill),
-            "transfer": {k: asdict(v) for k, v in self.transfer.items()},
-            "decode": asdict(self.decode),
-            "extra": dict(self.extra),
         }
+        if self.prefill_groups:
+            d["prefill_groups"] = {str(g): asdict(pf)
+                                   for g, pf in sorted(self.prefill_groups.items())}
+        return {**d, "transfer": {k: asdict(v) for k, v in self.transfer.items()},
+                "decode": asdict(self.decode), "extra": dict(self.extra)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> CostModel:
@@ -155,6 +196,7 @@ class CostModel:
                           for k, v in d["transfer"].items()},
                 decode=_decode_of(d["decode"]),
                 extra=dict(d.get("extra", {})),
+                prefill_groups=_groups_of(d.get("prefill_groups") or {}),
             )
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, CostModelError):
@@ -171,6 +213,37 @@ class CostModel:
         else:
             text = json.dumps(self.to_dict(), indent=2) + "\n"
         p.write_text(text)
+
+
+def _check(part: str, obj: Prefill | Decode) -> None:
+    for k, v in asdict(obj).items():
+        if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
+            raise CostModelError(f"{part}.{k} must be a finite number >= 0, got {v!r}")
+
+
+def _groups_of(d: Mapping[str, Any]) -> dict[int, Prefill]:
+    """`prefill_groups` as a file spells it (keys are strings in JSON)."""
+    out: dict[int, Prefill] = {}
+    for g, pf in d.items():
+        try:
+            size = int(g)
+        except ValueError:
+            raise CostModelError(f"prefill_groups: group size must be an integer >= 2, "
+                                 f"got {g!r}") from None
+        out[size] = Prefill(**{k: float(v) for k, v in pf.items()})
+    return out
+
+
+def pipelined(single: Prefill, group: int,
+              chunk_tokens: int = PIPELINE_CHUNK_TOKENS) -> Prefill:
+    """The uncalibrated estimate of a group of `group` stages from the single-instance fit
+    (the module's docstring says why this shape): per-token and attention work / G, the base
+    kept whole plus the pipeline's fill, (G-1)/G of one chunk's single-instance time."""
+    g = max(1, group)
+    if g == 1:
+        return single
+    fill = (g - 1) / g * single.ms(chunk_tokens)
+    return Prefill(single.base_ms + fill, single.per_token_ms / g, single.attn_ms / g)
 
 
 def _decode_of(d: Mapping[str, Any]) -> Decode:

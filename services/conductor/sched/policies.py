@@ -60,7 +60,7 @@ class RandomPrefill:
     def __call__(self, s: Scheduler, prefills: Sequence[PrefillView], match: Match,
                  prompt: int) -> tuple[int, float, int]:
         pi = self.rng.randrange(len(prefills))
-        return pi, prefills[pi].queue_ms + s.cost_local(match.local_blocks[pi], prompt), 0
+        return pi, prefills[pi].queue_ms + _own(s, prefills[pi], match, pi, prompt), 0
 
 
 class RoundRobinPrefill:
@@ -71,14 +71,14 @@ class RoundRobinPrefill:
                  prompt: int) -> tuple[int, float, int]:
         pi = self.next % len(prefills)
         self.next += 1
-        return pi, prefills[pi].queue_ms + s.cost_local(match.local_blocks[pi], prompt), 0
+        return pi, prefills[pi].queue_ms + _own(s, prefills[pi], match, pi, prompt), 0
 
 
 class LeastQueuePrefill:
     def __call__(self, s: Scheduler, prefills: Sequence[PrefillView], match: Match,
                  prompt: int) -> tuple[int, float, int]:
         pi = min(range(len(prefills)), key=lambda i: prefills[i].queue_ms)
-        return pi, prefills[pi].queue_ms + s.cost_local(match.local_blocks[pi], prompt), 0
+        return pi, prefills[pi].queue_ms + _own(s, prefills[pi], match, pi, prompt), 0
 
 
 class CacheAwarePrefill:
@@ -92,6 +92,8 @@ class CacheAwarePrefill:
                  prompt: int) -> tuple[int, float, int]:
         local = match.local_blocks
         held = match.holding
+        if any(p.group_size > 1 for p in prefills):
+            return self._grouped(s, prefills, match, prompt)
         lengths = {local[i] for i in held}
         if len(held) < len(local):
             lengths.add(0)
@@ -119,6 +121,29 @@ class CacheAwarePrefill:
             # say): the instance holding more of the prompt on its host moves less over it.
             pi = max((i for i, t in enumerate(totals) if t == ttft), key=local.__getitem__)
         return pi, ttft, costs[local[pi]][1]
+
+
+    def _grouped(self, s: Scheduler, prefills: Sequence[PrefillView], match: Match,
+                 prompt: int) -> tuple[int, float, int]:
+        """The same choice among targets of several sizes (single instances and prefill
+        groups): each target's cost uses its own size's prefill fit."""
+        local = match.local_blocks
+        lengths: dict[int, set[int]] = {}
+        for p, li in zip(prefills, local, strict=True):
+            lengths.setdefault(p.group_size, set()).add(li)
+        costs = {g: s.costs(ls, match, prompt, self.pool, g) for g, ls in lengths.items()}
+        totals = [p.queue_ms + costs[p.group_size][li][0]
+                  for p, li in zip(prefills, local, strict=True)]
+        ttft = min(totals)
+        pi = totals.index(ttft)
+        if totals.count(ttft) > 1:
+            pi = max((i for i, t in enumerate(totals) if t == ttft), key=local.__getitem__)
+        return pi, ttft, costs[prefills[pi].group_size][local[pi]][1]
+
+
+def _own(s: Scheduler, p: PrefillView, match: Match, pi: int, prompt: int) -> float:
+    """The picked target's cost of this prompt past its local prefix (its size's fit)."""
+    return s.cost_local(match.local_blocks[pi], prompt, p.group_size)
 
 
 class RandomDecode:

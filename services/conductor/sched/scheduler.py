@@ -88,6 +88,9 @@ class PrefillView:
     """KV index mask of the segments on this instance's host (0: it holds nothing locally)."""
     revision: str = ""
     """The deployment revision it runs: paired only with decode instances of the same one."""
+    group_size: int = 1
+    """Stages of the target: 1 for a single instance, G for a pipelined prefill group (its
+    leader), whose compute time is the cost model's entry for G (`CostModel.prefill_for`)."""
 
 
 @dataclass(slots=True)
@@ -142,7 +145,7 @@ class Scheduler:
         self._locality = Policy(config.policy) in (Policy.LOCAL_CACHE_AWARE,
                                                     Policy.GLOBAL_CACHE_AWARE)
         """Whether decode is picked with the prompt's KV in mind (`_near_decode`)."""
-        self._memo: dict[tuple[int, int, int, int, int, bool], tuple[float, int]] = {}
+        self._memo: dict[tuple[int, int, int, int, int, bool, int], tuple[float, int]] = {}
         self._memo_model: CostModel | None = None
 
     # -- pieces ----------------------------------------------------------------------------
@@ -152,15 +155,17 @@ class Scheduler:
         (its logits give the first output token)."""
         return max(0, min(blocks * self.block_tokens, prompt - 1))
 
-    def cost_local(self, local: int, prompt: int) -> float:
+    def cost_local(self, local: int, prompt: int, group: int = 1) -> float:
+        """Loading the local prefix and computing the rest on a target of `group` stages."""
         m = self.model
         c = self._tokens(local, prompt)
-        return m.transfer_ms("local", c) + m.prefill_ms(prompt - c, c)
+        return m.transfer_ms("local", c) + m.prefill_ms(prompt - c, c, group)
 
-    def _cost_global(self, local: int, match: Match, prompt: int) -> tuple[float, int]:
+    def _cost_global(self, local: int, match: Match, prompt: int,
+                     group: int = 1) -> tuple[float, int]:
         """Best of computing past the local prefix or fetching the pool's longer prefix:
         (ms, blocks fetched)."""
-        own = self.cost_local(local, prompt)
+        own = self.cost_local(local, prompt, group)
         g = match.global_blocks
         if g <= local:
             return own, 0
@@ -169,12 +174,14 @@ class Scheduler:
         c_dram = self._tokens(max(local, match.dram_blocks), prompt)
         c_all = self._tokens(g, prompt)
         fetched = (m.transfer_ms("local", c_local) + m.remote_ms(c_dram - c_local)
-                   + m.transfer_ms("ssd", c_all - c_dram) + m.prefill_ms(prompt - c_all, c_all))
+                   + m.transfer_ms("ssd", c_all - c_dram)
+                   + m.prefill_ms(prompt - c_all, c_all, group))
         return (fetched, g - local) if fetched < own else (own, 0)
 
     def costs(self, lengths: set[int], match: Match, prompt: int,
-              glob: bool) -> dict[int, tuple[float, int]]:
-        """(ms, blocks fetched) per distinct local prefix length among the candidates.
+              glob: bool, group: int = 1) -> dict[int, tuple[float, int]]:
+        """(ms, blocks fetched) per distinct local prefix length among the candidates (all
+        of `group` stages: a group's compute time is its own, `CostModel.prefill_for`).
 
         Memoised: the candidates share a handful of lengths, and consecutive prompts the same
         few (length, match, prompt) combinations, so most decisions evaluate no cost model at
@@ -188,11 +195,11 @@ class Scheduler:
         g, dram = match.global_blocks, match.dram_blocks
         out: dict[int, tuple[float, int]] = {}
         for li in lengths:
-            key = (li, g, dram, prompt, bt, glob)
+            key = (li, g, dram, prompt, bt, glob, group)
             c = memo.get(key)
             if c is None:
-                c = (self._cost_global(li, match, prompt) if glob
-                     else (self.cost_local(li, prompt), 0))
+                c = (self._cost_global(li, match, prompt, group) if glob
+                     else (self.cost_local(li, prompt, group), 0))
                 if len(memo) >= _COSTS_MEMO:
                     memo.clear()
                 memo[key] = c

@@ -15,6 +15,13 @@ to), and after `lost_after` such polls in a row (about 5 s with the defaults) th
 instance also gets a fresh channel on every poll: the old connection's TCP retransmissions back
 off for tens of seconds after a long partition, while a new connection answers within a round
 trip once the link is back.
+
+Prefill groups (chunked pipeline-parallel prefill): G prefill workers, each a stage of one
+group, are ONE prefill target, their leader (stage 0; `LoadReport.pipeline_*`). A later stage
+is polled and listed (state "stage") but never routed to; a leader is routed to only while
+its group is whole: it says so (`pipeline_whole`, its own checks down the chain) and no stage
+of its group that this pool polls has stopped answering (`InstancePool.groups`); otherwise its
+state is "incomplete".
 """
 
 from __future__ import annotations
@@ -106,14 +113,52 @@ class Instance:
         self.channel = channel
         self._stub = None
 
+    group_broken: str = ""
+    """For a group's leader: why its group is incomplete as this pool sees it (a stage it
+    polls stopped answering), "" when nothing is known against it (`InstancePool.groups`)."""
+
     @property
     def state(self) -> str:
         """For the `mooncake_conductor_instances` gauge: "ready" (routed to), "unreachable"
-        (polls time out or find nothing listening), or "unready" (answers but is loading,
-        draining, failed a request, or serves another tokenizer)."""
+        (polls time out or find nothing listening), "stage" (a prefill group's later stage:
+        reached only through its leader), "incomplete" (a group's leader while a stage is
+        missing), or "unready" (answers but is loading, draining, failed a request, or
+        serves another tokenizer)."""
         if self.usable:
             return "ready"
-        return "unreachable" if self.unreachable else "unready"
+        if self.unreachable:
+            return "unreachable"
+        return self.not_target or "unready"
+
+    @property
+    def group_size(self) -> int:
+        """Stages of this target: G for a prefill group's leader (or stage), else 1."""
+        r = self.report
+        if r is None or not r.pipeline_group or r.pipeline_group_size <= 1:
+            return 1
+        return int(r.pipeline_group_size)
+
+    @property
+    def group_key(self) -> tuple[str, str] | None:
+        """(group name, revision) of a prefill group's member, None for a single instance
+        (the name alone may repeat across the revisions of a rollout)."""
+        r = self.report
+        if r is None or self.group_size == 1:
+            return None
+        return r.pipeline_group, r.revision
+
+    @property
+    def not_target(self) -> str:
+        """Why this instance is never a prefill target now whatever its health: "stage"
+        (a group's later stage), "incomplete" (a leader whose group is not whole), or ""."""
+        r = self.report
+        if r is None or self.group_size == 1:
+            return ""
+        if r.pipeline_stage > 0:
+            return "stage"
+        if not r.pipeline_whole or self.group_broken:
+            return "incomplete"
+        return ""
 
     @property
     def answering(self) -> bool:
@@ -121,13 +166,13 @@ class Instance:
         while a failed request keeps it out of rotation until the next poll."""
         r = self.report
         return (not self.unreachable and r is not None and r.ready and not r.draining
-                and not self.tokenizer_mismatch)
+                and not self.tokenizer_mismatch and not self.not_target)
 
     @property
     def usable(self) -> bool:
         r = self.report
         return (self.healthy and r is not None and r.ready and not r.draining
-                and not self.tokenizer_mismatch)
+                and not self.tokenizer_mismatch and not self.not_target)
 
     @property
     def tokenizer_mismatch(self) -> bool:
@@ -266,7 +311,30 @@ class InstancePool:
                 self.instances[a] = Instance(a, self.role, new_channel(a),
                                              tokenizer=self.tokenizer)
         await asyncio.gather(*(self._poll(i) for i in self.instances.values()))
+        self.groups()
         self.changed.set()
+
+    def groups(self) -> dict[tuple[str, str], list[Instance]]:
+        """The prefill groups among the instances, (name, revision) -> members by stage, and
+        each leader's `group_broken` set from what this pool sees of its stages: a stage it
+        polls that stopped answering (dead, partitioned) makes the group incomplete at once,
+        before the leader's own check notices (a stage it does not poll is the leader's
+        word alone). Called after every poll."""
+        out: dict[tuple[str, str], list[Instance]] = {}
+        for inst in self.instances.values():
+            key = inst.group_key
+            if key is not None:
+                out.setdefault(key, []).append(inst)
+        for members in out.values():
+            members.sort(key=lambda i: i.report.pipeline_stage if i.report else 0)
+            down = [i for i in members
+                    if i.report is not None and i.report.pipeline_stage > 0 and not i.healthy]
+            why = (f"stage {down[0].report.pipeline_stage} ({down[0].address}) is not "
+                   f"answering: {down[0].last_error}" if down and down[0].report else "")
+            for i in members:
+                if i.report is not None and i.report.pipeline_stage == 0:
+                    i.group_broken = why
+        return out
 
     async def _poll(self, inst: Instance) -> None:
         sent = time.monotonic()

@@ -9,6 +9,11 @@ recomputes the tokens already streamed and returns the next one, and decode goes
 there with the same seed. The client sees one stream, each token once. With no instance left,
 the stream ends with an error event (`decode_failed`).
 
+A prefill group (its leader: one target) whose call fails retriably (a stage died or is
+partitioned: UNAVAILABLE within the group's stage timeout) is never picked again for that
+request: the retry goes to another group or a single instance (`_serve`'s `excluded`), counted
+in `mooncake_conductor_reroutes_total{role="prefill"}` with the cause prefixed `group_`.
+
 Every nested generator is closed explicitly (`aclosing`): when the client goes away the API
 layer closes `run`, and that must reach `_decode`'s `call.cancel()` at once, not whenever the
 garbage collector finalises an abandoned generator (until then decode keeps generating).
@@ -21,7 +26,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -68,6 +73,9 @@ class Generation:
     sampling: pb.Sampling
     use_prefix_cache: bool = True
     priority: str = "interactive"
+    prefill_group_size: int = 0
+    """Route only to prefill targets of this many stages (1: single instances, G: prefill
+    groups of G); 0: any. `mooncake calibrate` measures each kind of target this way."""
 
 
 @dataclass
@@ -89,6 +97,8 @@ class Outcome:
     started_at: float = field(default_factory=time.monotonic)
     prefill: str = ""
     decode: str = ""
+    prefill_stages: int = 0
+    """Stages of the prefill target of the last attempt (1: a single instance)."""
     attempts: int = 0
     resumes: int = 0
     """Times the stream moved to another decode instance after its own failed."""
@@ -159,10 +169,12 @@ class Pipeline:
         after that a failed decode raises DecodeLost (the caller resumes). With `lost` this
         is a resume: its first token is the end of the resume latency."""
         last_error = "no attempt made"
+        excluded: set[str] = set()  # prefill groups (leaders' addresses) that failed it
         for attempt in range(self.attempts):
             out.attempts += 1
-            route = await self._route(gen, lost, attempt, last_error)
+            route = await self._route(gen, lost, attempt, last_error, excluded)
             out.prefill, out.decode = route.prefill.instance_id, route.decode.instance_id
+            out.prefill_stages = route.prefill.group_size
             pair = route.prefill.report.bootstrap_addr if route.prefill.report else ""
             if pair:
                 try:
@@ -171,13 +183,15 @@ class Pipeline:
                         async for delta in deltas:
                             yield delta
                     return
-                except _Retry as e:
+                except _Retry as e:  # the prefill call failed
                     last_error = str(e)
+                    _exclude(excluded, route.prefill)
                     continue
             try:
                 resp = await self._prefill(gen, route, attempt)
             except (grpc.aio.AioRpcError, Unreachable) as e:
                 last_error = self._fail(self.prefills, route.prefill, e)
+                _exclude(excluded, route.prefill)
                 continue
             yield self._first(resp, out, lost)
             if resp.finished:
@@ -197,10 +211,22 @@ class Pipeline:
         raise UpstreamFailed(f"request failed after {self.attempts} attempts: {last_error}")
 
     async def _route(self, gen: Generation, lost: DecodeLost | None, attempt: int,
-                     last_error: str) -> Route:
+                     last_error: str, excluded: set[str] | None = None) -> Route:
         """The router's one decision for this attempt. A resume asks the same question of
-        the instances of the lost one's revision, never to be shed (`RouteRequest.shed`)."""
-        prefills, decodes = await self._candidates(attempt)
+        the instances of the lost one's revision, never to be shed (`RouteRequest.shed`).
+        Prefill targets are those of the size the request asks for (`prefill_group_size`),
+        less the groups that failed it (`excluded`)."""
+        size, gone = gen.prefill_group_size, excluded or set()
+
+        def wanted(p: Instance) -> bool:
+            return p.address not in gone and (not size or p.group_size == size)
+
+        prefills, decodes = await self._candidates(attempt, wanted if size or gone else None)
+        if not prefills and (size or gone):
+            what = f"with {size} stage(s) " if size else ""
+            but = f" (other than the {len(gone)} group(s) that failed it)" if gone else ""
+            cause = f"; last failure: {last_error}" if attempt else ""
+            raise NoCapacity(f"no prefill target {what}is ready{but}{cause}")
         if lost is not None:
             prefills = resume_candidates(prefills, lost.revision)
             decodes = resume_candidates(decodes, lost.revision)
@@ -220,12 +246,16 @@ class Pipeline:
             why = f"{e} (last failure: {last_error})" if attempt else str(e)
             raise NoCapacity(why) from e
 
-    async def _candidates(self, attempt: int) -> tuple[list[Instance], list[Instance]]:
-        """The usable instances of both roles; a retry (`attempt` > 0) finding a role empty
-        waits up to `retry_wait_s` for one to come back before the router says NoCapacity."""
+    async def _candidates(self, attempt: int, wanted: Callable[[Instance], bool] | None = None
+                          ) -> tuple[list[Instance], list[Instance]]:
+        """The usable instances of both roles (prefill ones that are `wanted`); a retry
+        (`attempt` > 0) finding a role empty waits up to `retry_wait_s` for one to come back
+        before the router says NoCapacity."""
         deadline = time.monotonic() + (self.retry_wait_s if attempt else 0.0)
         while True:
             prefills, decodes = self.prefills.usable(), self.decodes.usable()
+            if wanted is not None:
+                prefills = [p for p in prefills if wanted(p)]
             if (prefills and decodes) or time.monotonic() >= deadline:
                 return prefills, decodes
             await asyncio.sleep(0.1)
@@ -320,7 +350,7 @@ class Pipeline:
         if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
             pool.mark_failed(inst, msg)
         log.warning("attempt failed", extra={"error": msg})
-        self._rerouted(pool.role, e.code().name.lower())
+        self._rerouted(pool.role, _cause(inst, e.code().name.lower()))
         return msg
 
     def _abandoned(self, pool: InstancePool, inst: Instance, e: Unreachable) -> str:
@@ -329,7 +359,7 @@ class Pipeline:
         msg = f"{pool.role} {inst.instance_id}: unreachable: {e}"
         pool.mark_failed(inst, msg)
         log.warning("attempt abandoned: instance unreachable", extra={"error": msg})
-        self._rerouted(pool.role, "unreachable")
+        self._rerouted(pool.role, _cause(inst, "unreachable"))
         return msg
 
     def _rerouted(self, role: str, cause: str) -> None:
@@ -385,3 +415,15 @@ class Pipeline:
         finally:
             inst.inflight -= 1
             inst.note_done(len(gen.token_ids) + gen.sampling.max_tokens)
+
+
+def _exclude(excluded: set[str], inst: Instance) -> None:
+    """A prefill group that failed a request is not tried again for it: its stages may be
+    what failed, and the leader answers polls ready until its own check notices."""
+    if inst.group_size > 1:
+        excluded.add(inst.address)
+
+
+def _cause(inst: Instance, cause: str) -> str:
+    """The reroute cause: a prefill group's failures are told apart (`group_` + cause)."""
+    return f"group_{cause}" if inst.group_size > 1 else cause

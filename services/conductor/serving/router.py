@@ -203,14 +203,17 @@ class MooncakeRouter:
     # -- views and the decision -----------------------------------------------------------
 
     def _prefill_view(self, inst: Instance) -> PrefillView:
+        """A prefill group is seen through its leader: its queue drains at the group's rate
+        and its local KV is the leader's host (where the plan's `home_segment` is)."""
         r = inst.report
-        pf = self.scheduler.model.prefill
+        group = inst.group_size
+        pf = self.scheduler.model.prefill_for(group)
         done, done_tokens = inst.since_report()
         queued = max((r.queued_tokens if r else 0) - done_tokens, inst.inflight_tokens)
         jobs = max((r.queued_requests if r else 0) - done, inst.inflight)
         mask = self.local_mask(r.host_id, r.local_segment) if r else 0
         return PrefillView(self._slot(inst), pf.base_ms * jobs + pf.per_token_ms * queued, mask,
-                           r.revision if r else "")
+                           r.revision if r else "", group)
 
     def _decode_view(self, inst: Instance) -> DecodeView:
         r = inst.report
