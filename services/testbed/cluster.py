@@ -5,6 +5,12 @@ The master, one storage node, N prefill and M decode workers and the Conductor r
 between hosts over TCP through shaped links, where the byte counters see it. Hosts are named
 `master`, `store`, `prefill-<i>`, `decode-<i>` and `conductor`; clients run on the Conductor's
 host (`BedCluster.client_call`), so their traffic stays off the bridge.
+
+Prefill groups (issue 21, `BedConfig.prefill_groups`): group `g<k>` of size G puts its stages on
+hosts `g<k>-s0` .. `g<k>-s<G-1>`, each a `mooncake prefill` with the `--pipeline-*` flags (stage
+s's next is stage s+1's serving address). The Conductor is given every stage, as it would
+find every prefill pod: it routes only to leaders (`-s0`, the only stage taking Prefill calls)
+of whole groups, and polling the later stages lets it see a dead stage before the leader does.
 """
 
 from __future__ import annotations
@@ -43,6 +49,13 @@ class BedConfig:
     decode_segment_size: int = 128 << 20
     prefill_segment_size: int | None = None
     """Pool memory each prefill host serves (`--local-segment-size`); None = the default."""
+    prefill_groups: list[int] = field(default_factory=list)
+    """Sizes of the prefill groups started beside the `prefill` single instances (e.g. [2]:
+    one group of two stages, each on its own host)."""
+    pipeline_chunk_tokens: int | None = None
+    """`--pipeline-chunk-tokens` of every stage (None: the worker's default)."""
+    pipeline_stage_timeout_s: float | None = None
+    """`--pipeline-stage-timeout` of every stage (None: the worker's default)."""
     store_replicas: int = 2
     threads: int = 1
     ready_timeout_s: float = 300.0
@@ -68,6 +81,7 @@ class BedCluster:
         self.master_port, self.service_port, self.metrics_port = base, base + 1, base + 2
         self.hosts: dict[str, Host] = {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.args: dict[str, list[str]] = {}
 
     @property
     def master(self) -> str:
@@ -79,8 +93,33 @@ class BedCluster:
 
     @property
     def workers(self) -> list[str]:
+        """Every worker host: single prefills, every stage of every group, decodes."""
         c = self.config
-        return [f"prefill-{i}" for i in range(c.prefill)] + [f"decode-{i}" for i in range(c.decode)]
+        return ([f"prefill-{i}" for i in range(c.prefill)] + self.stages()
+                + [f"decode-{i}" for i in range(c.decode)])
+
+    def groups(self) -> list[list[str]]:
+        """Each prefill group's stage hosts, stage 0 (the leader) first."""
+        return [[f"g{k}-s{s}" for s in range(size)]
+                for k, size in enumerate(self.config.prefill_groups)]
+
+    def stages(self, group: int | None = None) -> list[str]:
+        """The stage hosts of one group, or of every group."""
+        gs = self.groups()
+        return gs[group] if group is not None else [n for g in gs for n in g]
+
+    @property
+    def prefill_targets(self) -> list[str]:
+        """What the Conductor routes prefill to: single instances and group leaders."""
+        return ([f"prefill-{i}" for i in range(self.config.prefill)]
+                + [g[0] for g in self.groups()])
+
+    def addr(self, name: str) -> str:
+        """A worker's serving address (host:port)."""
+        return f"{self.hosts[name].addr}:{self.service_port}"
+
+    def metrics_url(self, name: str) -> str:
+        return f"http://{self.hosts[name].addr}:{self.metrics_port}/metrics"
 
     def client_call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """`fn` run on the Conductor's host (a client there talks to it over loopback)."""
@@ -98,6 +137,7 @@ class BedCluster:
 
     def _spawn(self, name: str, args: list[str]) -> None:
         env = self.env()
+        self.args[name] = args
         self.procs[name] = self.hosts[name].spawn(
             [sys.executable, "-m", "mooncake_k8s.cli", *args], env=env,
             log=self.log_dir / f"{name}.log")
@@ -116,34 +156,79 @@ class BedCluster:
                               "--node-id", f"store-{self.token[:12]}",
                               "--dram-size", str(c.store_size),
                               "--metrics-port", str(self.metrics_port)])
-        model = ["--block-tokens", str(UpConfig().block_tokens), "--threads", str(c.threads)]
         for name in self.workers:
-            role = name.split("-")[0]
-            args = [role, "--host", self.hosts[name].addr, "--port", str(self.service_port),
-                    "--master", self.master, "--metrics-port", str(self.metrics_port),
-                    "--instance-id", name, *model]
-            if role == "decode":
-                args += ["--local-segment-size", str(c.decode_segment_size)]
-            else:
-                args += ["--store-replicas", str(c.store_replicas)]
-                if c.prefill_segment_size is not None:
-                    args += ["--local-segment-size", str(c.prefill_segment_size)]
-            self._spawn(name, args)
-
-        def addrs(role: str) -> str:
-            return ",".join(f"{self.hosts[n].addr}:{self.service_port}"
-                            for n in self.workers if n.startswith(role))
-
+            self._spawn(name, self.worker_args(name))
+        prefills = ",".join(self.addr(n) for n in self.workers if not n.startswith("decode"))
+        decodes = ",".join(self.addr(n) for n in self.workers if n.startswith("decode"))
         self._spawn("conductor", [
             "conductor", "--host", self.hosts["conductor"].addr, "--port", str(self.service_port),
-            "--master", self.master, "--prefill", addrs("prefill"), "--decode", addrs("decode"),
-            "--metrics-port", str(self.metrics_port), "--metrics-on-api-port", *model])
+            "--master", self.master, "--prefill", prefills, "--decode", decodes,
+            "--metrics-port", str(self.metrics_port), "--metrics-on-api-port",
+            *self._model_args()])
 
-    def wait_ready(self) -> None:
-        """Block until every worker's and the Conductor's /readyz says 200, each asked from its
-        own host (no bytes on the bridge); fail at once if any process exits."""
+    def _model_args(self) -> list[str]:
+        return ["--block-tokens", str(UpConfig().block_tokens),
+                "--threads", str(self.config.threads)]
+
+    def worker_args(self, name: str) -> list[str]:
+        """The `mooncake prefill|decode` command line of worker host `name` (from the config
+        as it is now: a respawn picks up a changed chunk size)."""
+        c = self.config
+        role = "decode" if name.startswith("decode") else "prefill"
+        args = [role, "--host", self.hosts[name].addr, "--port", str(self.service_port),
+                "--master", self.master, "--metrics-port", str(self.metrics_port),
+                "--instance-id", name, *self._model_args()]
+        if role == "decode":
+            return [*args, "--local-segment-size", str(c.decode_segment_size)]
+        args += ["--store-replicas", str(c.store_replicas)]
+        if c.prefill_segment_size is not None:
+            args += ["--local-segment-size", str(c.prefill_segment_size)]
+        for k, group in enumerate(self.groups()):
+            if name in group:
+                args += self._stage_args(k, group, group.index(name))
+        return args
+
+    def _stage_args(self, k: int, group: list[str], stage: int) -> list[str]:
+        c = self.config
+        args = ["--pipeline-group", f"g{k}", "--pipeline-group-size", str(len(group)),
+                "--pipeline-stage", str(stage)]
+        if stage + 1 < len(group):
+            args += ["--pipeline-next", self.addr(group[stage + 1])]
+        if c.pipeline_chunk_tokens is not None:
+            args += ["--pipeline-chunk-tokens", str(c.pipeline_chunk_tokens)]
+        if c.pipeline_stage_timeout_s is not None:
+            args += ["--pipeline-stage-timeout", str(c.pipeline_stage_timeout_s)]
+        return args
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        """Signal a component's process group (a stage killed mid-prompt: SIGKILL) and reap it;
+        one that outlives a SIGTERM by 20 s is killed."""
+        p = self.procs[name]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, sig)
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+
+    def respawn(self, names: list[str]) -> None:
+        """Start workers `names` again (stopped or not) with their current command lines and
+        wait until each is ready: a restarted stage, or every stage of a group with another
+        `pipeline_chunk_tokens`."""
+        for name in names:
+            if self.procs[name].poll() is None:
+                self.kill(name, signal.SIGTERM)
+        for name in names:
+            self._spawn(name, self.worker_args(name))
+        self.wait_ready(names)
+
+    def wait_ready(self, names: list[str] | None = None) -> None:
+        """Block until every worker's and the Conductor's (or `names`') /readyz says 200, each
+        asked from its own host (no bytes on the bridge); fail at once if any process exits."""
         deadline = time.monotonic() + self.config.ready_timeout_s
-        for name in [*self.workers, "conductor"]:
+        for name in names if names is not None else [*self.workers, "conductor"]:
             url = f"http://{self.hosts[name].addr}:{self.metrics_port}/readyz"
             while not self.hosts[name].call(http_ok, url):
                 self.check_alive()
