@@ -176,6 +176,7 @@ def run_config(name: str, args: argparse.Namespace,
     t0 = time.monotonic()
     with Testbed() as bed, BedCluster(bed, cfg, echo=lambda _m: None) as c:
         run = Run(c, name, args.nonce, echo)
+        run.wait_routed()  # a group is routed to once its leader's check found it whole
         run.ttft(200, 0, "w")  # warm-up: first-call costs off the measured rows
         run.ttft(1000, 0, "w")
         out: dict[str, Any] = {"config": spec, "rate": RATE, "ttft": {}}
