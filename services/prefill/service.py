@@ -34,6 +34,10 @@ from mooncake_k8s.common.rpc import serving_pb2 as pb
 from mooncake_k8s.common.rpc import serving_pb2_grpc as pb_grpc
 from mooncake_k8s.common.serving_rpc import servicer_handler
 from mooncake_k8s.engine.api import EngineFailed, PrefillWork, resolve_plan
+from mooncake_k8s.prefill.pipeline.group import StageRuntime
+from mooncake_k8s.prefill.pipeline.inbox import StageFailed
+from mooncake_k8s.prefill.pipeline.leader import Leader
+from mooncake_k8s.prefill.pipeline.server import StageServicer
 from mooncake_k8s.worker.base import PrefillWorker, WorkerConfig, run_worker
 
 log = logging.getLogger(__name__)
@@ -52,6 +56,20 @@ class _Servicer(pb_grpc.PrefillServicer):
     def Load(self, request: pb.LoadRequest,
              context: grpc.ServicerContext) -> pb.LoadReport:
         return self._service.report()
+
+
+class _Handlers(grpc.GenericRpcHandler):  # type: ignore[type-arg]
+    """Several generated services on one server (Prefill, and PrefillStage in a group)."""
+
+    def __init__(self, *handlers: grpc.GenericRpcHandler) -> None:  # type: ignore[type-arg]
+        self._handlers = handlers
+
+    def service(self, details: grpc.HandlerCallDetails) -> Any:
+        for h in self._handlers:
+            found = h.service(details)
+            if found is not None:
+                return found
+        return None
 
 
 @dataclass
@@ -87,15 +105,28 @@ class PrefillService(PrefillWorker):
         self.m_plans = Counter("mooncake_prefill_plans_total",
                                "Conductor plans: followed, or not trusted (keys recomputed)",
                                ["outcome"], registry=r)
+        self.pipeline = StageRuntime(self) if config.pipelined else None
+        """This worker's stage of a prefill group (None: a single instance)."""
+        self.leader = Leader(self.pipeline) if self.pipeline and self.pipeline.index == 0 \
+            else None
 
     def on_engine_loaded(self, engine: Any) -> None:
+        if self.pipeline is not None:
+            self.pipeline.on_engine_loaded(engine)
         threading.Thread(target=self._run, name="prefill-engine", daemon=True).start()
 
     def handlers(self) -> grpc.GenericRpcHandler:  # type: ignore[type-arg]
-        return servicer_handler(pb_grpc.add_PrefillServicer_to_server, _Servicer(self))
+        prefill = servicer_handler(pb_grpc.add_PrefillServicer_to_server, _Servicer(self))
+        if self.pipeline is None:
+            return prefill
+        stage = servicer_handler(pb_grpc.add_PrefillStageServicer_to_server,
+                                 StageServicer(self.pipeline))
+        return _Handlers(prefill, stage)
 
     def report(self) -> pb.LoadReport:
         rep = self.load_report()
+        if self.pipeline is not None:
+            self.pipeline.fill_report(rep)
         with self._qlock:
             rep.queued_tokens = self._queued_tokens
             rep.queued_requests = self._queued_requests
@@ -104,10 +135,17 @@ class PrefillService(PrefillWorker):
     def stop(self) -> None:
         self._jobs.put(None)
         super().stop()
+        if self.pipeline is not None:
+            self.pipeline.close()
 
     # -- the RPC ---------------------------------------------------------------------------
 
     def prefill(self, req: pb.PrefillRequest, ctx: grpc.ServicerContext) -> pb.PrefillResponse:
+        rt = self.pipeline
+        if rt is not None and rt.index > 0:
+            ctx.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                      f"this is stage {rt.index} of prefill group {rt.group!r}: only its "
+                      "leader (stage 0) takes Prefill calls")
         engine = self.admit(ctx)
         try:
             if not req.token_ids:
@@ -130,6 +168,10 @@ class PrefillService(PrefillWorker):
             except InvalidArgument as e:
                 self.m_requests.labels("invalid").inc()
                 ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except StageFailed as e:
+                self.m_requests.labels("stage_failed").inc()
+                group = self.config.pipeline_group
+                ctx.abort(grpc.StatusCode.UNAVAILABLE, f"prefill group {group!r} failed: {e}")
             except StoreError as e:
                 self.m_requests.labels("store_error").inc()
                 ctx.abort(grpc.StatusCode.UNAVAILABLE, f"KV handoff failed: {e}")
@@ -180,7 +222,11 @@ class PrefillService(PrefillWorker):
                 self.m_plans.labels("followed" if trusted else "untrusted").inc()
             work = PrefillWork(req.request_id, tokens, req.tenant, req.sampling, plan,
                                req.use_prefix_cache, job.trace)
-            res = self.engine_call(engine.prefill, work)
+            stages: list[pb.StageStats] = []
+            if self.leader is not None:
+                res, stages = self.engine_call(self.leader.prefill, work)
+            else:
+                res = self.engine_call(engine.prefill, work)
             sp.set_attribute("cached_tokens", res.cached_tokens)
         self.m_blocks.labels("imported").inc(res.imported_blocks)
         self.m_blocks.labels("rejected").inc(res.rejected_blocks)
@@ -198,7 +244,7 @@ class PrefillService(PrefillWorker):
             tail_key=res.tail_key, stored_blocks=res.stored_blocks,
             rejected_blocks=res.rejected_blocks, queue_ms=queue_s * 1e3,
             load_ms=res.load_s * 1e3, compute_ms=res.compute_s * 1e3,
-            store_ms=res.store_s * 1e3,
+            store_ms=res.store_s * 1e3, stages=stages,
         )
 
 
