@@ -231,6 +231,10 @@ def test_bad_plans_and_ranges_are_refused(bed: Bed) -> None:
             with pytest.raises(InvalidArgument, match="outside"):
                 put.ready(i, s, e)
         assert writer.finish() == [None, None] and writer.bytes_written == 0
-        writer.abort()  # after finish: a no-op
+        gone = PlanWriter(lead, plan, views)
+        gone.abort()
+        gone.ready(0, 0, 64)  # after abort: ignored, nothing written
+        assert all(isinstance(r, StreamFailed) for r in gone.finish())
+        assert gone.bytes_written == 0
         put.abort()
         assert lead.exists(["r0", "r1"]) == [False, False]
