@@ -245,11 +245,18 @@ def _sizes(text: str, what: str) -> tuple[int, ...]:
 @click.option("--link-sizes", default="256KiB,1MiB,4MiB,16MiB,64MiB", show_default=True,
               help="Object sizes put and read back on each segment.")
 @click.option("--link-repeats", default=3, show_default=True, type=click.IntRange(1, 50))
+@click.option("--groups/--no-groups", default=True, show_default=True,
+              help="Measure the prefill groups among the Conductor's prefill targets, each "
+                   "group size into the profile's prefill_groups (single instances pinned "
+                   "apart for the prefill fit).")
+@click.option("--group-chunk-tokens", default=256, show_default=True, type=click.IntRange(1),
+              help="The groups' pipeline chunk (their --pipeline-chunk-tokens): where a group "
+                   "fit's pipeline-fill term stops growing.")
 def calibrate(url: str, api_key: str | None, model: str | None, out: str, master: str | None,
               token: str, kv_bytes_per_token: int | None, block_tokens: int, lengths: str,
               batches: str, decode_tokens: int, repeats: int, name: str, links: bool,
               links_only: bool, profile: str | None, link_sizes: str,
-              link_repeats: int) -> None:
+              link_repeats: int, groups: bool, group_chunk_tokens: int) -> None:
     """Measure a running deployment (or, --links-only, the store's links between hosts) and
     write the cost model the Conductor loads."""
     from mooncake_k8s.conductor.tools import calibrate as cal
@@ -266,7 +273,8 @@ def calibrate(url: str, api_key: str | None, model: str | None, out: str, master
         batches=tuple(int(x) for x in _floats(batches, "--batches")),
         decode_tokens=decode_tokens, repeats=repeats, kv_bytes_per_token=kv_bytes_per_token,
         master=master, token=token, block_tokens=block_tokens, name=name, links=links,
-        link_sizes=_sizes(link_sizes, "--link-sizes"), link_repeats=link_repeats)
+        link_sizes=_sizes(link_sizes, "--link-sizes"), link_repeats=link_repeats,
+        groups=groups, group_chunk_tokens=group_chunk_tokens)
     base = None
     if links_only:
         from mooncake_k8s.conductor.sched.costmodel import default_profile
@@ -276,7 +284,8 @@ def calibrate(url: str, api_key: str | None, model: str | None, out: str, master
         data = cal.run(cfg, out, click.echo, base=base)
     except cal.CalibrationError as e:
         _fail(str(e))
-    click.echo(json.dumps({k: data[k] for k in ("prefill", "transfer", "decode")}, indent=2))
+    click.echo(json.dumps({k: data[k] for k in ("prefill", "prefill_groups", "transfer",
+                                                "decode") if k in data}, indent=2))
     click.echo(f"wrote {out}")
 
 

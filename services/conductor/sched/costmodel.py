@@ -15,15 +15,19 @@ the *shape* of the model only:
   once per step; every sequence adds compute; every cached token is read once per step).
 
 Prefill groups (chunked pipeline-parallel prefill, issue 21): a group of G stages is one
-prefill target with its own prefill fit, `prefill_groups[G]` (measured by `mooncake calibrate`
-through the group's leader; same shape as `prefill`). A profile without an entry for G uses an
-estimate from the single-instance fit (`pipelined`): every stage computes 1/G of the layers, so
-the per-token and attention terms are divided by G, and the pipeline's fill (the last stage
-starts G-1 stage-chunks late) is added to the base as (G-1)/G of one chunk's single-instance
-prefill at `PIPELINE_CHUNK_TOKENS`. For n >= chunk tokens that is the pipeline's
-``(k + G - 1) / (G k)`` of the single time (k chunks) with the per-request base kept whole; below
-one chunk it overstates the group's time, so a short prompt prefers a single instance that is as
-loaded (a group holds G hosts for it).
+prefill target with its own prefill fit, `prefill_groups[G]` (`GroupPrefill`, measured by
+`mooncake calibrate` through the group's leader): the single shape plus a *fill* term over the
+first m = min(new, fill_tokens) tokens, ``fill * m + fill_attn * m * (cached + m / 2)``. A
+chunk of c tokens goes through every stage in turn, so the last chunk reaches the last stage
+(G-1)/G of a chunk's compute after the first stage is done: with k chunks the pipeline takes
+about ``P(n)/G + (G-1)/G * P(min(n, c))``. A profile without an entry for G uses that estimate
+from the single-instance fit (`pipelined`): per-token and attention terms / G, the fill terms
+(G-1)/G of them up to one chunk (`PIPELINE_CHUNK_TOKENS`), the per-request base kept whole
+plus `PIPELINE_HOP_MS` per stage boundary (a notification and a hidden-state write; at 10
+Gbit/s a 256-token chunk of SmolLM2's hidden states, under 1 MiB, moves in under a
+millisecond, and later chunks' hops overlap compute). So a prompt of at most one chunk costs a
+little more on a group than on one instance (no parallelism, and a group holds G hosts for it)
+and a long one tends to 1/G of it.
 
 The fits are ordinary least squares with coefficients clamped at zero (a negative time per
 token is noise, never physics).
@@ -49,6 +53,9 @@ CPU; the Conductor's default when it serves that model on a CPU (`default_profil
 PIPELINE_CHUNK_TOKENS = 256
 """The workers' default pipeline chunk (`WorkerConfig.pipeline_chunk_tokens`): the chunk the
 uncalibrated group estimate (`pipelined`) assumes for the pipeline's fill."""
+PIPELINE_HOP_MS = 1.0
+"""The uncalibrated estimate's cost of one stage boundary that compute does not hide (the
+first chunk's handoff): an assumption, replaced by a measured group entry's base."""
 
 
 class CostModelError(ValueError):
@@ -66,6 +73,36 @@ class Prefill:
         if new <= 0:
             return 0.0
         return self.base_ms + self.per_token_ms * new + self.attn_ms * new * (cached + new / 2)
+
+    def queue_ms(self, jobs: int, tokens: int) -> float:
+        """Until `jobs` queued requests of `tokens` prompt tokens in all are done (their
+        cached share unknown: an upper bound)."""
+        return self.base_ms * jobs + self.per_token_ms * tokens
+
+
+@dataclass(frozen=True)
+class GroupPrefill(Prefill):
+    """A pipelined prefill group's fit: `Prefill`'s terms plus the pipeline's fill over the
+    first m = min(new, fill_tokens) tokens (the module's docstring):
+    ``fill_ms_per_token * m + fill_attn_ms * m * (cached + m / 2)``."""
+
+    fill_ms_per_token: float = 0.0
+    fill_attn_ms: float = 0.0
+    fill_tokens: int = 0
+    """The pipeline chunk the fill is counted up to (the workers' pipeline_chunk_tokens)."""
+
+    def ms(self, new: int, cached: int = 0) -> float:
+        if new <= 0:
+            return 0.0
+        m = min(new, self.fill_tokens)
+        return (super().ms(new, cached) + self.fill_ms_per_token * m
+                + self.fill_attn_ms * m * (cached + m / 2))
+
+    def queue_ms(self, jobs: int, tokens: int) -> float:
+        """Until `jobs` requests of `tokens` in all are done: each fills the pipeline once
+        (at most a chunk's worth; its attention term left out, as the cached share is)."""
+        fill = self.fill_ms_per_token * min(tokens, self.fill_tokens * jobs)
+        return super().queue_ms(jobs, tokens) + fill
 
 
 @dataclass(frozen=True)
@@ -230,7 +267,9 @@ def _groups_of(d: Mapping[str, Any]) -> dict[int, Prefill]:
         except ValueError:
             raise CostModelError(f"prefill_groups: group size must be an integer >= 2, "
                                  f"got {g!r}") from None
-        out[size] = Prefill(**{k: float(v) for k, v in pf.items()})
+        vals: dict[str, Any] = {k: float(v) for k, v in pf.items()}
+        vals["fill_tokens"] = int(vals.get("fill_tokens", 0))
+        out[size] = GroupPrefill(**vals)
     return out
 
 
@@ -238,12 +277,15 @@ def pipelined(single: Prefill, group: int,
               chunk_tokens: int = PIPELINE_CHUNK_TOKENS) -> Prefill:
     """The uncalibrated estimate of a group of `group` stages from the single-instance fit
     (the module's docstring says why this shape): per-token and attention work / G, the base
-    kept whole plus the pipeline's fill, (G-1)/G of one chunk's single-instance time."""
+    kept whole plus a hop per stage boundary, and the pipeline's fill: (G-1)/G of the
+    per-token and attention costs up to one chunk."""
     g = max(1, group)
     if g == 1:
         return single
-    fill = (g - 1) / g * single.ms(chunk_tokens)
-    return Prefill(single.base_ms + fill, single.per_token_ms / g, single.attn_ms / g)
+    share = (g - 1) / g
+    return GroupPrefill(single.base_ms + (g - 1) * PIPELINE_HOP_MS, single.per_token_ms / g,
+                        single.attn_ms / g, single.per_token_ms * share,
+                        single.attn_ms * share, chunk_tokens)
 
 
 def _decode_of(d: Mapping[str, Any]) -> Decode:
@@ -350,6 +392,25 @@ def fit_prefill(samples: Sequence[tuple[int, int, float]]) -> tuple[Prefill, flo
     f = nnls_fit(cols, [ms for _, _, ms in samples])
     base, per_tok, attn, load_per_tok = f.coef
     return Prefill(base, per_tok, attn), load_per_tok, f
+
+
+def fit_group_prefill(samples: Sequence[tuple[int, int, float]],
+                      chunk_tokens: int = PIPELINE_CHUNK_TOKENS) -> tuple[GroupPrefill, Fit]:
+    """(new, cached, ms) samples of a group (through its leader) -> its `GroupPrefill`: the
+    prefill columns plus the fill's over m = min(new, chunk) (prompts shorter and longer than
+    a chunk tell them from the others), and the load column as in `fit_prefill`."""
+    ms_ = [float(min(n, chunk_tokens)) for n, _, _ in samples]
+    cols = [
+        [1.0] * len(samples),
+        [float(n) for n, _, _ in samples],
+        [n * (c + n / 2) for n, c, _ in samples],
+        ms_,
+        [m * (c + m / 2) for m, (_, c, _) in zip(ms_, samples, strict=True)],
+        [float(c) for _, c, _ in samples],
+    ]
+    f = nnls_fit(cols, [ms for _, _, ms in samples])
+    base, per_tok, attn, fill, fill_attn, _load = f.coef
+    return GroupPrefill(base, per_tok, attn, fill, fill_attn, chunk_tokens), f
 
 
 def fit_decode(samples: Sequence[tuple[int, int, float]]) -> tuple[Decode, Fit]:

@@ -212,7 +212,7 @@ class MooncakeRouter:
         queued = max((r.queued_tokens if r else 0) - done_tokens, inst.inflight_tokens)
         jobs = max((r.queued_requests if r else 0) - done, inst.inflight)
         mask = self.local_mask(r.host_id, r.local_segment) if r else 0
-        return PrefillView(self._slot(inst), pf.base_ms * jobs + pf.per_token_ms * queued, mask,
+        return PrefillView(self._slot(inst), pf.queue_ms(jobs, queued), mask,
                            r.revision if r else "", group)
 
     def _decode_view(self, inst: Instance) -> DecodeView:
@@ -227,6 +227,9 @@ class MooncakeRouter:
 
     async def route(self, req: RouteRequest, prefills: Sequence[Instance],
                     decodes: Sequence[Instance]) -> Route:
+        # A prefill group's later stage, or a leader whose group is not whole, is never a
+        # target, whoever passed it (the pools' `usable` leave them out already).
+        prefills = [p for p in prefills if not p.not_target]
         if not prefills:
             raise NoCapacity("no prefill instance is ready")
         if not decodes:

@@ -10,6 +10,11 @@ Everything is measured through the deployment's OpenAI endpoint, the way users s
 - decode: groups of concurrent streams with `ignore_eos`, timing the token intervals while
   every stream of a group is running; the `X-Mooncake-Decode` header says which instance
   served each stream, so the batch size is counted per instance.
+- prefill groups (chunked pipeline-parallel prefill): when the Conductor lists groups among
+  its prefill targets (`GET /v1/instances`), the same prefill samples are taken once per kind
+  of target, pinned with `X-Mooncake-Prefill-Group-Size` (1: single instances, G: groups of G),
+  and each group size's fit is written to `prefill_groups[G]`. With no single instance, the
+  smallest group's fit is also `prefill` (said in `extra`).
 - KV bytes per token: given, or read from the store's block events (`--master`): the size of a
   stored block over its tokens.
 - the links (with `--master`, unless `--no-links`): the KV links between hosts, measured
@@ -39,16 +44,23 @@ import numpy as np
 
 from mooncake_k8s.common.defaults import BLOCK_TOKENS
 from mooncake_k8s.conductor.sched.costmodel import (
+    PIPELINE_CHUNK_TOKENS,
     CostModel,
     CostModelError,
     Decode,
     Link,
+    Prefill,
     fit_decode,
+    fit_group_prefill,
     fit_prefill,
 )
 from mooncake_k8s.conductor.tools import links as links_mod
 
 HEADER_BYTES = 64  # the KV block header (common.blocks.HEADER_SIZE)
+GROUP_HEADER = "X-Mooncake-Prefill-Group-Size"
+"""Pins a request's prefill to targets of that many stages (the Conductor's API)."""
+Samples = list[tuple[int, int, float]]
+"""(new tokens, cached tokens, ms) per request."""
 
 
 class CalibrationError(RuntimeError):
@@ -78,6 +90,11 @@ class CalibrateConfig:
     """With `master`: measure the links between hosts into `transfer` (`links.measure`)."""
     link_sizes: Sequence[int] = links_mod.SIZES
     link_repeats: int = 3
+    groups: bool = True
+    """Measure the prefill groups among the targets, each size into `prefill_groups`."""
+    group_chunk_tokens: int = PIPELINE_CHUNK_TOKENS
+    """The groups' pipeline chunk (their workers' --pipeline-chunk-tokens): where the
+    group fit's fill term stops growing."""
 
 
 class _Client:
@@ -99,13 +116,31 @@ class _Client:
         if not self.model:
             self.model = data[0]["id"]
 
-    async def complete(self, prompt: list[int], max_tokens: int) -> tuple[float, int]:
-        """One non-streaming completion: (latency ms, cached prompt tokens)."""
+    async def target_sizes(self) -> set[int]:
+        """Stages of the ready prefill targets (1: single instances, G: groups of G), from
+        the Conductor's listing; empty when it has none (a Conductor from before groups)."""
+        async with self.session.get(f"{self.cfg.url}/v1/instances",
+                                    headers=self.headers) as r:
+            if r.status == 404:
+                return set()
+            if r.status != 200:
+                raise CalibrationError(f"GET /v1/instances: HTTP {r.status}: {await r.text()}")
+            listing = await r.json()
+        return {int((i.get("group") or {}).get("size", 1)) for i in listing.get("prefill", [])
+                if i.get("state") == "ready"}
+
+    async def complete(self, prompt: list[int], max_tokens: int,
+                       group: int = 0) -> tuple[float, int]:
+        """One non-streaming completion: (latency ms, cached prompt tokens); `group` pins its
+        prefill to a target of that many stages (0: any)."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0, "ignore_eos": True}
+        headers = dict(self.headers)
+        if group:
+            headers[GROUP_HEADER] = str(group)
         t0 = time.perf_counter()
         async with self.session.post(f"{self.cfg.url}/v1/completions", json=body,
-                                     headers=self.headers) as r:
+                                     headers=headers) as r:
             text = await r.text()
             ms = (time.perf_counter() - t0) * 1000
             if r.status != 200:
@@ -135,19 +170,41 @@ def _prompt(rng: np.random.Generator, n: int) -> list[int]:
 
 
 async def _prefill_samples(c: _Client, cfg: CalibrateConfig, rng: np.random.Generator,
-                           log: Callable[[str], None]) -> list[tuple[int, int, float]]:
+                           log: Callable[[str], None],
+                           group: int = 0) -> list[tuple[int, int, float]]:
+    """(new, cached, ms) of cold prompts and their extensions; `group` pins the target."""
     out: list[tuple[int, int, float]] = []
+    what = f"group of {group}" if group > 1 else "prefill"
     for rep in range(cfg.repeats):
         for n in cfg.lengths:
             base = _prompt(rng, n)
-            ms, cached = await c.complete(base, 1)
+            ms, cached = await c.complete(base, 1, group)
             out.append((n - cached, cached, ms))
             ext = base + _prompt(rng, cfg.suffix_tokens)
-            ms2, cached2 = await c.complete(ext, 1)
+            ms2, cached2 = await c.complete(ext, 1, group)
             out.append((len(ext) - cached2, cached2, ms2))
-            log(f"prefill {n:>6} tokens: cold {ms:8.1f} ms; +{cfg.suffix_tokens} with "
+            log(f"{what} {n:>6} tokens: cold {ms:8.1f} ms; +{cfg.suffix_tokens} with "
                 f"{cached2} cached {ms2:8.1f} ms (round {rep + 1})")
     return out
+
+
+async def _all_prefill_samples(c: _Client, cfg: CalibrateConfig, rng: np.random.Generator,
+                               log: Callable[[str], None]
+                               ) -> tuple[Samples | None, dict[int, Samples]]:
+    """(single-instance samples, group size -> that size's samples). Without groups among
+    the targets nothing is pinned (as before groups); with them each kind is pinned; None:
+    no single instance is served."""
+    sizes = await c.target_sizes() if cfg.groups else set()
+    groups = sorted(g for g in sizes if g > 1)
+    if not groups:
+        return await _prefill_samples(c, cfg, rng, log), {}
+    log(f"prefill targets: {', '.join(f'groups of {g}' for g in groups)}"
+        + (" and single instances" if 1 in sizes else " (no single instance)"))
+    out: dict[int, Samples] = {}
+    for g in groups:
+        await c.complete(_prompt(rng, 16), 1, g)  # warm-up: the group's lazy init
+        out[g] = await _prefill_samples(c, cfg, rng, log, g)
+    return (await _prefill_samples(c, cfg, rng, log, 1) if 1 in sizes else None), out
 
 
 async def _decode_samples(c: _Client, cfg: CalibrateConfig, rng: np.random.Generator,
@@ -215,7 +272,7 @@ async def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print) ->
                 raise CalibrationError(f"cannot reach {cfg.url}: {e}") from e
             log(f"calibrating {c.model} at {cfg.url}")
             await c.complete(_prompt(rng, 16), 1)  # warm-up: lazy init must not be fitted
-            pre = await _prefill_samples(c, cfg, rng, log)
+            single, grouped = await _all_prefill_samples(c, cfg, rng, log)
             dec = await _decode_samples(c, cfg, rng, log)
     except (TimeoutError, aiohttp.ClientError) as e:
         raise CalibrationError(f"request to {cfg.url} failed or timed out after "
@@ -228,7 +285,10 @@ async def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print) ->
             raise CalibrationError("saw no block stored in the store; is --master the "
                                    "deployment's master and prefix caching on?")
         kv = round((statistics.median(sizes) - HEADER_BYTES) / cfg.block_tokens)
-    model = _model(cfg, c.model, kv, pre, dec)
+    # With no single instance, the smallest group's fit stands in for `prefill`.
+    pre = single if single is not None else grouped[min(grouped)]
+    model = with_groups(_model(cfg, c.model, kv, pre, dec), grouped, single is not None,
+                        cfg.group_chunk_tokens)
     if cfg.links and cfg.master:
         try:
             model = await asyncio.to_thread(measure_links, model, cfg, log)
@@ -268,6 +328,31 @@ def _model(cfg: CalibrateConfig, served: str, kv: int, pre: list[tuple[int, int,
                "samples": {"prefill_new_cached_ms": [list(s) for s in pre],
                            "decode_batch_context_ms": [list(s) for s in dec]}},
     )
+
+
+def with_groups(model: CostModel, grouped: dict[int, Samples], single: bool = True,
+                chunk_tokens: int = PIPELINE_CHUNK_TOKENS) -> CostModel:
+    """`model` with each group size's prefill fit (`prefill_groups`) and its provenance;
+    `single` False: no single instance was measured (`prefill` is the smallest group's fit,
+    and `extra` says so)."""
+    if not grouped:
+        return model
+    fits: dict[int, Prefill] = {}
+    extra: dict[str, Any] = dict(model.extra)
+    quality: dict[str, Any] = {}
+    for g, samples in sorted(grouped.items()):
+        try:
+            fits[g], f = fit_group_prefill(samples, chunk_tokens)
+        except CostModelError as e:
+            raise CalibrationError(f"group of {g}: {e}") from e
+        quality[str(g)] = {"r2": round(f.r2, 4), "samples": f.samples}
+    extra["prefill_group_fits"] = quality
+    extra["samples"] = {**extra.get("samples", {}), "prefill_group_new_cached_ms": {
+        str(g): [list(s) for s in samples] for g, samples in sorted(grouped.items())}}
+    if not single:
+        extra["prefill_note"] = (f"no single prefill instance was served: `prefill` is the "
+                                 f"group of {min(grouped)}'s fit")
+    return replace(model, prefill_groups=fits, extra=extra)
 
 
 def measure_links(base: CostModel, cfg: CalibrateConfig,
