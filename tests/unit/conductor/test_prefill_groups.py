@@ -60,10 +60,11 @@ def _inst(name: str, role: str = "prefill", *, group: str = "", stage: int = 0,
 
 
 def _group(name: str, whole: bool = True, tag: str = "",
-           **leader: object) -> tuple[Instance, Instance]:
+           **leader: int) -> tuple[Instance, Instance]:
     """A group of two: (leader, stage 1), on two hosts; `tag` tells instances apart."""
     return (_inst(f"{name}{tag}-0", group=name, stage=0, size=2, whole=whole,
-                  host_id=f"{name}-host0", local_segment=f"{name}-seg0", **leader),
+                  host_id=f"{name}-host0", local_segment=f"{name}-seg0",
+                  **leader),  # type: ignore[arg-type]
             _inst(f"{name}{tag}-1", group=name, stage=1, size=2, whole=whole,
                   host_id=f"{name}-host1", local_segment=f"{name}-seg1"))
 
@@ -179,7 +180,7 @@ def test_the_scheduler_costs_a_group_with_its_entry_and_else_the_estimate() -> N
 
     # Idle, the group's measured fit beats one instance on a long prompt.
     pi, ttft = decide(model, views)
-    assert (pi, ttft) == (1, pytest.approx(measured.ms(n)))
+    assert pi == 1 and ttft == pytest.approx(measured.ms(n))
     # The group alone is costed with its entry, not the single instance's fit.
     assert decide(model, views[1:])[1] == pytest.approx(measured.ms(n))
     # Without an entry: the documented estimate (per-token work / G, fill added to the base).
@@ -265,7 +266,7 @@ def test_a_groups_local_kv_is_its_leaders_host_and_the_plan_homes_there() -> Non
 
 
 def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details, None)
 
 
 def test_a_failed_group_is_excluded_for_the_request_and_the_reroute_names_a_group() -> None:
