@@ -22,7 +22,12 @@ from typing import Any
 
 from mooncake_k8s.operator import corev1, naming, pods_sizing
 from mooncake_k8s.operator.schema import ROLES
-from mooncake_k8s.operator.schema_cel import SEGMENT_WHY
+from mooncake_k8s.operator.schema_cel import (
+    GROUP_ENGINE_WHY,
+    GROUP_MULTIPLE_WHY,
+    GROUP_SIZE,
+    SEGMENT_WHY,
+)
 
 Obj = dict[str, Any]
 
@@ -75,6 +80,37 @@ def spec_errors(spec: Obj) -> list[str]:
                       "with a worker's --transfer-protocol rdma); use auto, which moves KV "
                       "over shared memory and TCP")
     errors += _size_errors(spec)
+    errors += _group_errors(spec)
+    return errors
+
+
+def group_size(spec: Obj) -> int:
+    """roles.prefill.pipelineGroupSize (1 where an older CRD did not default it)."""
+    value = ((spec.get("roles") or {}).get("prefill") or {}).get("pipelineGroupSize")
+    return value if isinstance(value, int) and value >= 1 else 1
+
+
+def _group_errors(spec: Obj) -> list[str]:
+    """Prefill pipeline groups: whole groups only, on the embedded engine (the CRD's CEL rules
+    say the same; they stay here for clusters whose CRD is older)."""
+    size = group_size(spec)
+    if size == 1:
+        return []
+    errors: list[str] = []
+    roles, scaling = spec.get("roles") or {}, spec.get("autoscaling") or {}
+    counts = [("roles.prefill.replicas", (roles.get("prefill") or {}).get("replicas"))]
+    if scaling.get("enabled"):
+        bounds = scaling.get("prefill") or {}
+        counts += [(f"autoscaling.prefill.{k}", bounds.get(k))
+                   for k in ("minReplicas", "maxReplicas")]
+    for field, value in counts:
+        if isinstance(value, int) and value % size:
+            errors.append(f"spec.{field}: {field} {value} must be a multiple of {GROUP_SIZE} "
+                          f"{size}: {GROUP_MULTIPLE_WHY}")
+    kind = (spec.get("engine") or {}).get("kind", "embedded")
+    if kind != "embedded":
+        errors.append(f"spec.{GROUP_SIZE}: {GROUP_SIZE} {size} with engine.kind {kind} "
+                      f"{GROUP_ENGINE_WHY}")
     return errors
 
 

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mooncake_k8s.operator import metrics
+from mooncake_k8s.operator import admission, metrics
 
 TOLERANCE = 0.1
 ROLES = ("prefill", "decode")
@@ -53,6 +53,9 @@ class Policy:
     up_window_s: float
     down_window_s: float
     ttft_slo_ms: float
+    prefill_step: int = 1
+    """Prefill pods per pipeline group: prefill moves in whole groups (its bounds are
+    multiples of it, which the CRD enforces)."""
 
     @classmethod
     def from_spec(cls, spec: dict[str, Any]) -> Policy:
@@ -67,6 +70,7 @@ class Policy:
             up_window_s=float(a["scaleUpStabilizationSeconds"]),
             down_window_s=float(a["scaleDownStabilizationSeconds"]),
             ttft_slo_ms=float(spec["slo"]["ttftMs"]),
+            prefill_step=admission.group_size(spec),
         )
 
 
@@ -150,8 +154,16 @@ def _by_usage(current: int, queue: float, target: int) -> int:
     return math.ceil(queue / target - _EPS)
 
 
+def whole_groups(p: int, step: int, up: bool = True) -> int:
+    """`p` prefill pods rounded to whole pipeline groups of `step` (up, or down)."""
+    return (-(-p // step) if up else p // step) * step
+
+
 def clamp(p: int, d: int, pol: Policy) -> tuple[int, int]:
-    p = min(max(p, pol.prefill_min), pol.prefill_max)
+    """Bounds, then the ratio bounds; prefill always lands on whole groups (rounded up where
+    capacity is asked for, down where the ratio caps it)."""
+    step = pol.prefill_step
+    p = min(max(whole_groups(p, step), pol.prefill_min), pol.prefill_max)
     d = min(max(d, pol.decode_min), pol.decode_max)
     if p > d * pol.ratio_max + _EPS:
         need = math.ceil(p / pol.ratio_max - _EPS)
@@ -159,9 +171,9 @@ def clamp(p: int, d: int, pol: Policy) -> tuple[int, int]:
             d = need
         else:
             d = pol.decode_max
-            p = math.floor(d * pol.ratio_max + _EPS)
+            p = whole_groups(math.floor(d * pol.ratio_max + _EPS), step, up=False)
     if p < d * pol.ratio_min - _EPS:
-        need = math.ceil(d * pol.ratio_min - _EPS)
+        need = whole_groups(math.ceil(d * pol.ratio_min - _EPS), step)
         if need <= pol.prefill_max:
             p = need
         else:

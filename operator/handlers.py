@@ -23,7 +23,7 @@ from typing import Any, cast
 import kopf
 from prometheus_client import Counter, Histogram
 
-from mooncake_k8s.operator import autoscaler, render, status
+from mooncake_k8s.operator import autoscaler, groups, render, status
 from mooncake_k8s.operator import reconcile as rc
 from mooncake_k8s.operator.kube import ApiError, KubeClient
 from mooncake_k8s.operator.schema import GROUP, ROLES, VERSION
@@ -63,6 +63,8 @@ def build_registry(config: rc.OperatorConfig, login: Login = _default_login,
     kopf.timer(*CLUSTERS, registry=registry, interval=config.sync_interval_s,
                initial_delay=min(5.0, config.sync_interval_s))(h.sync)
     kopf.on.event(*SCALERS, registry=registry)(h.scaler_event)
+    kopf.on.event("v1", "pods", registry=registry,
+                  labels={groups.LABEL_GROUP_SIZE: kopf.PRESENT})(h.pod_event)
     return registry
 
 
@@ -217,6 +219,28 @@ class _Handlers:
         RECONCILES.labels("scale", "applied").inc()
         kopf.event(kopf.Body(cast(kopf.RawBody, cluster)), type="Normal", reason="Scaled",
                    message=f"{spec.get('role')} -> {rendered.replicas[spec['role']]} replicas")
+
+
+    async def pod_event(self, body: kopf.Body, type: str | None, **_: Any) -> None:
+        """A prefill pipeline stage changed: when it restarted alone, restart its group."""
+        if type == "DELETED":
+            return  # its next incarnation (a new uid) is what tells
+        pod = rc.plain(body)
+        ns = pod["metadata"].get("namespace") or "default"
+        now = time.time()  # pod timestamps are wall-clock times
+        if not groups.restarted(self.runtime.groups.setdefault(ns, groups.GroupMemory()),
+                                pod, now):
+            return
+        try:
+            gone = await rc.restart_group(self.runtime, pod, now)
+        except ApiError as e:
+            log.warning("prefill group of %s: could not restart its peers: %s",
+                        pod["metadata"].get("name"), e)
+            return
+        if gone:
+            kopf.event(body, type="Normal", reason="GroupRestarted",
+                       message=f"{groups.group_name(pod)}: restarted alone; deleted "
+                               f"{', '.join(gone)} so the group restarts together")
 
 
 def _announce(body: kopf.Body, old_status: dict[str, Any], rendered: render.Rendered) -> None:

@@ -181,6 +181,21 @@ class KubeClient:
             body=obj, params={"fieldManager": MANAGER})
         return out
 
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str,
+                     uid: str | None = None) -> bool:
+        """Delete one object (only the incarnation `uid`, when given); False when it is
+        already gone (or was replaced by another incarnation meanwhile)."""
+        body = {"kind": "DeleteOptions", "apiVersion": "v1",
+                "preconditions": {"uid": uid}} if uid else None
+        try:
+            await self.request("DELETE", object_path(api_version, kind, namespace, name),
+                               body=body)
+        except ApiError as e:
+            if e.status in (404, 409):
+                return False
+            raise
+        return True
+
     async def patch_merge(self, api_version: str, kind: str, namespace: str, name: str,
                           body: Obj, subresource: str | None = None) -> Obj:
         path = object_path(api_version, kind, namespace, name)

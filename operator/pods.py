@@ -22,7 +22,8 @@ import copy
 from typing import Any
 
 from mooncake_k8s.common import defaults
-from mooncake_k8s.operator import naming, pods_env, pods_sizing, pods_volumes
+from mooncake_k8s.operator import admission, naming, pods_env, pods_sizing, pods_volumes
+from mooncake_k8s.operator.groups import LABEL_GROUP_SIZE
 from mooncake_k8s.operator.pods_context import Ctx, security
 
 Obj = dict[str, Any]
@@ -62,6 +63,23 @@ def _rdma_affinity(ctx: Ctx, role: str, affinity: Obj) -> Obj:
     else:
         node.setdefault("preferredDuringSchedulingIgnoredDuringExecution", []).append(
             {"weight": 100, "preference": {"matchExpressions": [expr]}})
+    return out
+
+
+def _group_affinity(ctx: Ctx, role: str, affinity: Obj) -> Obj:
+    """Prefill pipeline groups: prefer a node with no other prefill pod of this cluster, so a
+    group's stages (which each compute their share of every prompt at once) do not share
+    cores. A pod template cannot name its group (one template serves every pod), so this
+    keeps all prefill pods apart, which keeps each group apart; soft, so a small cluster still
+    schedules. The user's own affinity is added to, never replaced."""
+    if role != "prefill" or admission.group_size(ctx.spec) == 1:
+        return affinity
+    out = copy.deepcopy(affinity)
+    anti = out.setdefault("podAntiAffinity", {})
+    anti.setdefault("preferredDuringSchedulingIgnoredDuringExecution", []).append({
+        "weight": 100, "podAffinityTerm": {
+            "topologyKey": "kubernetes.io/hostname",
+            "labelSelector": {"matchLabels": naming.selector(ctx.cluster, role)}}})
     return out
 
 
@@ -116,6 +134,9 @@ def pod_template(ctx: Ctx, role: str) -> Obj:
     labels = naming.labels(ctx.cluster, role)
     if role in ("prefill", "decode"):
         labels[naming.LABEL_SERVING_REVISION] = ctx.serving_revision
+    if role == "prefill" and admission.group_size(spec) > 1:
+        # The restart-together handler reads the group size from the pod (groups.py).
+        labels[LABEL_GROUP_SIZE] = str(admission.group_size(spec))
     pod: Obj = {
         "serviceAccountName": spec.get("serviceAccountName") or None,
         "automountServiceAccountToken": False,
@@ -128,7 +149,8 @@ def pod_template(ctx: Ctx, role: str) -> Obj:
         "volumes": vols.volumes,
         "nodeSelector": rspec.get("nodeSelector") or None,
         "tolerations": rspec.get("tolerations") or None,
-        "affinity": _rdma_affinity(ctx, role, rspec.get("affinity") or {}) or None,
+        "affinity": _group_affinity(ctx, role, _rdma_affinity(
+            ctx, role, rspec.get("affinity") or {})) or None,
         "priorityClassName": rspec.get("priorityClassName") or None,
         "imagePullSecrets": pull_secrets(spec),
         # Every role spreads over nodes where it can (two masters or two Conductors on one node

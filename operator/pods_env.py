@@ -11,7 +11,8 @@ import shlex
 from typing import Any
 
 from mooncake_k8s.common import defaults as d
-from mooncake_k8s.operator import naming, pods_sizing, pods_volumes
+from mooncake_k8s.operator import admission, naming, pods_sizing, pods_volumes
+from mooncake_k8s.operator.groups import POD_INDEX_LABEL
 from mooncake_k8s.operator.pods_context import (
     CACHE_DIR,
     SIDECAR_SOCKET,
@@ -137,12 +138,36 @@ def role_env(ctx: Ctx, role: str) -> tuple[list[Obj], list[str]]:
         env.append(env_var("MOONCAKE_DEVICE", spec["engine"]["device"]))
     env.append(env_var("MOONCAKE_LOCAL_SEGMENT_SIZE",
                        naming.parse_bytes(spec["roles"][role]["localSegmentSize"])))
+    if role == "prefill":
+        env += pipeline_env(ctx)
     if kind == "vllm":
         env += _vllm_env(spec, role)
     if kind == "sglang":
         env += _sglang_env(spec, role)
         return env, sglang_args(spec, role)
     return env, [role]
+
+
+def pipeline_env(ctx: Ctx) -> list[Obj]:
+    """A prefill pod's pipeline stage settings (roles.prefill.pipelineGroupSize above 1).
+
+    One pod template serves every pod of the StatefulSet, so nothing here names a pod: the
+    worker derives its stage from its pod index (the StatefulSet's `apps.kubernetes.io/
+    pod-index` label, through the downward API) modulo the group size, its group `g<index //
+    size>` from the `{group}` template, and the next stage's address from the `{index}`
+    template (this pod's index + 1) under the role's headless Service, which gives each pod a
+    stable DNS name. The last stage of a group has no next stage and ignores it."""
+    size = admission.group_size(ctx.spec)
+    if size == 1:
+        return []
+    svc = naming.name(ctx.cluster, "prefill")
+    host = naming.service_fqdn(svc, ctx.namespace, ctx.domain)
+    return [field_env_var("MOONCAKE_POD_INDEX", f"metadata.labels['{POD_INDEX_LABEL}']"),
+            env_var("MOONCAKE_PIPELINE_GROUP_SIZE", size),
+            env_var("MOONCAKE_PIPELINE_STAGE", "auto"),
+            env_var("MOONCAKE_PIPELINE_GROUP", "g{group}"),
+            env_var("MOONCAKE_PIPELINE_NEXT",
+                    f"{svc}-{{index}}.{host}:{naming.PORTS['prefill']['grpc']}")]
 
 
 def sglang_args(spec: Obj, role: str) -> list[str]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from mooncake_k8s.operator import autoscaler, naming, render, status
+from mooncake_k8s.operator import admission, autoscaler, groups, naming, render, status
 from mooncake_k8s.operator.kube import ApiError, KubeClient
 from mooncake_k8s.operator.metrics import StoreUsage, store_usage
 from mooncake_k8s.operator.schema import ROLES
@@ -59,6 +59,8 @@ class ClusterMemory:
     last_apply: float = float("-inf")
     last_decision: float = float("-inf")
     last_counts: dict[str, int] = field(default_factory=dict)
+    group_restarts: int = 0
+    """Prefill groups restarted together since this process started (status.prefillGroups)."""
 
 
 class Runtime:
@@ -68,6 +70,7 @@ class Runtime:
         self.config = config
         self.client = client
         self.clusters: dict[tuple[str, str], ClusterMemory] = {}
+        self.groups: dict[str, groups.GroupMemory] = {}  # namespace -> its prefill pods
         self._http: aiohttp.ClientSession | None = None
         self._stopped = False
 
@@ -150,6 +153,10 @@ def resolve_replicas(spec: Obj, scalers: Mapping[str, Obj]) -> Replicas:
         for role in ("prefill", "decode"):
             b = spec["autoscaling"][role]
             effective[role] = min(max(effective[role], b["minReplicas"]), b["maxReplicas"])
+    # Prefill pipeline groups: a count HPA, KEDA or `kubectl scale` wrote that splits a group
+    # gets the group's missing stages (a partial group would never be routed to).
+    effective["prefill"] = autoscaler.whole_groups(effective["prefill"],
+                                                   admission.group_size(spec))
     return Replicas(effective, seeds)
 
 
@@ -215,7 +222,8 @@ async def observe(runtime: Runtime, cluster: Obj, error: str | None = None) -> s
     workloads = {o["metadata"]["labels"][naming.LABEL_COMPONENT]: o for o in sts + deps}
     usage, conductor = await asyncio.gather(_master_usage(runtime, pods),
                                             runtime.conductor_reasons(pods))
-    return status.Observed(workloads, pods, usage, error, conductor=conductor)
+    return status.Observed(workloads, pods, usage, error, conductor=conductor,
+                           group_restarts=runtime.memory(cluster).group_restarts)
 
 
 async def conductor_reasons(http: aiohttp.ClientSession, pods: list[Obj]) -> list[str]:
@@ -312,6 +320,27 @@ async def publish_scaler_status(runtime: Runtime, cluster: Obj, st: Obj,
         if role in scalers and any(have.get(k) != v for k, v in want.items()):
             await runtime.client.patch_merge(*SCALER, ns, naming.name(meta["name"], role),
                                              {"status": want}, subresource="status")
+
+
+async def restart_group(runtime: Runtime, pod: Obj, now: float) -> list[str]:
+    """`pod`, a prefill pipeline stage, restarted alone: delete its group's other pods so the
+    StatefulSet starts them again beside it (see `groups`). Returns the deleted pods' names."""
+    meta = pod["metadata"]
+    ns = meta.get("namespace") or "default"
+    cluster = (meta.get("labels") or {}).get(naming.LABEL_INSTANCE, "")
+    peers = await runtime.client.list("v1", "Pod", ns, groups.prefill_selector(cluster))
+    memory = runtime.groups.setdefault(ns, groups.GroupMemory())
+    gone = []
+    for p in groups.peers_to_delete(memory, pod, peers, now):
+        if await runtime.client.delete("v1", "Pod", ns, p["metadata"]["name"],
+                                       uid=p["metadata"].get("uid")):
+            gone.append(p["metadata"]["name"])
+    if gone:
+        runtime.clusters.setdefault((ns, cluster), ClusterMemory()).group_restarts += 1
+        log.info("prefill group %s of %s/%s: %s restarted alone; deleted %s so the group "
+                 "restarts together", groups.group_name(pod), ns, cluster, meta.get("name"),
+                 ", ".join(gone))
+    return gone
 
 
 def status_patch(old: Mapping[str, Any], new: Obj) -> Obj:

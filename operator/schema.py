@@ -19,6 +19,8 @@ from mooncake_k8s.operator.schema_cel import (
     RDMA_PROTOCOL_REFUSED,
     SHM_WHY,
     extended_resource,
+    group_engine,
+    group_multiple,
     min_dram,
     positive,
     segment_size,
@@ -157,6 +159,16 @@ def _roles() -> Schema:
                             "the pod's /dev/shm is this plus localSegmentSize. With engine.kind "
                             "vllm the pod's /dev/shm also gets vLLM's share (see engine.kind).",
                             default="1Gi", rules=(positive(SHM_WHY),)),
+            "pipelineGroupSize": integer(
+                "Prefill pods per pipeline group (chunked pipeline-parallel prefill): pods "
+                "0..G-1 form group g0, G..2G-1 group g1, and so on; each pod of a group is one "
+                "stage computing its share of the model's layers for every prompt the group's "
+                "leader (stage 0) takes, so one long prompt uses the whole group. The "
+                "Conductor routes only to leaders of whole groups. replicas (and the "
+                "autoscaler's prefill bounds) must be multiples of it; a group's pods start "
+                "together, spread over nodes, and restart together (status.prefillGroups). "
+                "Embedded engine only; 1 (the default) is one instance per pod.",
+                default=1, minimum=1, maximum=64),
         }),
         "decode": _role("decode", 1, {
             "localSegmentSize": size(
@@ -434,6 +446,10 @@ def cluster_spec_schema() -> Schema:
                                     "+ ': every copy of a KV block needs its own store node'"),
             _pair_rule("prefill", "decode"),
             _pair_rule("decode", "prefill"),
+            group_multiple("roles.prefill.replicas"),
+            group_engine(),
+            group_multiple("autoscaling.prefill.minReplicas", "self.autoscaling.enabled"),
+            group_multiple("autoscaling.prefill.maxReplicas", "self.autoscaling.enabled"),
             rule("!self.autoscaling.enabled || (self.roles.prefill.replicas >= "
                  "self.autoscaling.prefill.minReplicas && self.roles.prefill.replicas <= "
                  "self.autoscaling.prefill.maxReplicas)",

@@ -65,3 +65,34 @@ def segment_size() -> Schema:
     return rule(f"{zero} || !{small}", f"localSegmentSize {SEGMENT_WHY}",
                 message_expression=f"(type(self) == int ? string(self) : \"'\" + self + \"'\")"
                                    f" + ' {SEGMENT_WHY}'")
+
+
+# Prefill pipeline groups (`roles.prefill.pipelineGroupSize`): CEL rules with admission's words.
+GROUP_SIZE = "roles.prefill.pipelineGroupSize"
+GROUP_MULTIPLE_WHY = ("every group of pipelineGroupSize consecutive pods is one pipeline, so "
+                      "a remainder would be a group with a missing stage")
+GROUP_ENGINE_WHY = (
+    "needs engine.kind embedded: the vllm and sglang workers do not run a pipeline stage yet "
+    "(pipeline parallelism of those engines needs a headless worker mode, see "
+    "docs/engines.md); use 1 (the default) with them")
+
+
+def group_multiple(field: str, guard: str = "") -> Schema:
+    """`field` (an integer under spec) is a whole number of prefill groups (only where the CEL
+    `guard` holds, when one is given)."""
+    size = f"self.{GROUP_SIZE}"
+    check = f"self.{field} % {size} == 0"
+    return rule(f"!({guard}) || {check}" if guard else check,
+                f"{field} must be a multiple of {GROUP_SIZE}: {GROUP_MULTIPLE_WHY}",
+                field_path=f".{field}",
+                message_expression=(f"'{field} ' + string(self.{field}) + ' must be a multiple "
+                                    f"of {GROUP_SIZE} ' + string({size}) + ': "
+                                    f"{GROUP_MULTIPLE_WHY}'"))
+
+
+def group_engine() -> Schema:
+    """Pipeline groups only on the embedded engine."""
+    return rule(f"self.{GROUP_SIZE} == 1 || self.engine.kind == 'embedded'",
+                f"{GROUP_SIZE} above 1 {GROUP_ENGINE_WHY}", field_path=f".{GROUP_SIZE}",
+                message_expression=(f"'{GROUP_SIZE} ' + string(self.{GROUP_SIZE}) + ' with "
+                                    f"engine.kind ' + self.engine.kind + ' {GROUP_ENGINE_WHY}'"))

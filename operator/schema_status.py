@@ -65,6 +65,14 @@ def cluster_status_schema(roles: tuple[str, ...]) -> Schema:
             "reason": string("Why."),
             "time": string("When (RFC 3339)."),
         }),
+        "prefillGroups": obj("Prefill pipeline groups (roles.prefill.pipelineGroupSize above "
+                             "1): the Conductor routes only to whole ones.", {
+            "size": integer("Pods (stages) per group."),
+            "total": integer("Groups the prefill replicas make."),
+            "whole": integer("Groups whose every stage is ready."),
+            "restarts": integer("Groups the operator restarted together since it started "
+                                "(a stage restarted alone, so its peers were deleted)."),
+        }),
         "endpoint": string("In-cluster URL of the OpenAI-compatible API."),
     })
     conditions = s["properties"]["conditions"]

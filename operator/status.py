@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mooncake_k8s.operator import naming
+from mooncake_k8s.operator import admission, groups, naming
 from mooncake_k8s.operator.metrics import StoreUsage
 from mooncake_k8s.operator.render import Rendered
 from mooncake_k8s.operator.schema import DATA_ROLES, ROLES
@@ -47,6 +47,8 @@ class Observed:
     error: str | None = None  # a render/apply failure to report as Degraded
     conductor: Sequence[str] = ()
     """`pod: why` for Conductor pods whose tokenizer is not the workers' (their /readyz)."""
+    group_restarts: int = 0
+    """Prefill groups the operator restarted together (status.prefillGroups.restarts)."""
 
 
 def _role_status(role: str, desired: int, wl: Obj | None, revision: str) -> Obj:
@@ -250,7 +252,20 @@ def aggregate(cluster: Obj, rendered: Rendered, observed: Observed, now: str) ->
     }
     if rdma_summary:
         status["rdma"] = rdma_summary
+    status.update(_prefill_groups(spec, rendered, observed))
     return status
+
+
+def _prefill_groups(spec: Obj, rendered: Rendered, observed: Observed) -> Obj:
+    """status.prefillGroups (only with pipeline groups): whole groups of the prefill pods
+    observed, and restarts."""
+    if admission.group_size(spec) == 1:
+        return {}
+    pods = [p for p in observed.pods
+            if p.get("metadata", {}).get("labels", {}).get(naming.LABEL_COMPONENT) == "prefill"]
+    out: Obj = groups.summary(pods, rendered.replicas["prefill"], admission.group_size(spec))
+    out["restarts"] = observed.group_restarts
+    return {"prefillGroups": out}
 
 
 def kstatus_conditions(ready: Obj, progressing: Obj) -> list[Obj]:

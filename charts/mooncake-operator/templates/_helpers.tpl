@@ -63,10 +63,12 @@ for status). Nothing is ever replaced with PUT, so no rule grants `update`. */}}
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["create"]
-# Pod status: readiness, crash loops and the rdma-probe records.
+# Pod status: readiness, crash loops and the rdma-probe records. delete: a prefill pipeline
+# group restarts together (a stage that restarted alone gets its peers deleted; the
+# StatefulSet starts them again). Nothing else is ever deleted by the operator.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["get", "list", "watch", "delete"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]

@@ -104,7 +104,9 @@ def test_rbac_is_least_privilege_and_sufficient(repo: Path, examples: dict[str, 
     rules = _rules(_render_chart(repo, OPERATOR_CHART))
     for r in rules:
         assert "*" not in r["verbs"] and "*" not in r["resources"] and "*" not in r["apiGroups"]
-        assert "delete" not in r["verbs"]  # children go through ownerReferences and GC
+        # Children go through ownerReferences and GC; pods only so a prefill pipeline group
+        # restarts together (operator/groups.py).
+        assert "delete" not in r["verbs"] or r["resources"] == ["pods"]
     # Secrets: the generated token only; never list or watch every Secret in a namespace.
     secrets = [r for r in rules if "secrets" in r["resources"]]
     # Only `create`: the operator never reads a Secret (an existing token answers 409).
@@ -125,6 +127,7 @@ def test_rbac_is_least_privilege_and_sufficient(repo: Path, examples: dict[str, 
                       ("mooncakerolescalers/status", "patch")):
         assert _allowed(rules, "mooncake.io", res, verb)
     assert _allowed(rules, "", "pods", "list") and _allowed(rules, "", "events", "create")
+    assert _allowed(rules, "", "pods", "watch") and _allowed(rules, "", "pods", "delete")
 
 
 @pytest.mark.parametrize("values", [{"replicaCount": 2},
@@ -250,7 +253,7 @@ def test_dockerfile_is_multistage_non_root_and_runs_the_cli(repo: Path) -> None:
 
 PURE = ("schema", "schema_cel", "schema_model", "naming", "pods", "pods_context", "pods_env",
         "pods_sizing", "pods_volumes", "render", "validation", "metrics", "status", "autoscaler",
-        "crds", "rdma_probe")
+        "crds", "rdma_probe", "groups", "admission")
 
 
 @pytest.mark.parametrize("module", PURE)
