@@ -473,8 +473,10 @@ def _group_size(request: web.Request) -> int:
 def _listing(inst: Instance) -> dict[str, Any]:
     """One instance in `GET /v1/instances`."""
     r = inst.report
+    # The failure's status only: its details may name internal addresses (the logs have them).
     out: dict[str, Any] = {"instance_id": inst.instance_id, "state": inst.state,
-                           "revision": r.revision if r else "", "error": inst.last_error}
+                           "revision": r.revision if r else "",
+                           "error": inst.last_error.split(":", 1)[0]}
     if inst.group_size > 1 and r is not None:
         out["group"] = {"name": r.pipeline_group, "stage": r.pipeline_stage,
                         "size": inst.group_size, "whole": r.pipeline_whole,

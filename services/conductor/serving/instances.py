@@ -327,10 +327,7 @@ class InstancePool:
                 out.setdefault(key, []).append(inst)
         for members in out.values():
             members.sort(key=lambda i: i.report.pipeline_stage if i.report else 0)
-            down = [i for i in members
-                    if i.report is not None and i.report.pipeline_stage > 0 and not i.healthy]
-            why = (f"stage {down[0].report.pipeline_stage} ({down[0].address}) is not "
-                   f"answering: {down[0].last_error}" if down and down[0].report else "")
+            why = _missing_stage(members)
             for i in members:
                 if i.report is not None and i.report.pipeline_stage == 0:
                     i.group_broken = why
@@ -387,3 +384,22 @@ class InstancePool:
         task = asyncio.create_task(old.close(grace=self._timeout))
         self._retired.add(task)
         task.add_done_callback(self._retired.discard)
+
+
+def _missing_stage(members: list[Instance]) -> str:
+    """Why a group (its members this pool polls, by stage) misses a stage, or "". A stage
+    polled but not answering is missing; when any later stage is polled (the targets list the
+    stages: a Kubernetes headless Service lists every ready pod), one not listed at all is
+    missing too. With only the leader polled, its own word (`pipeline_whole`) is all there is."""
+    later = [i for i in members if i.report is not None and i.report.pipeline_stage > 0]
+    for i in later:
+        if not i.healthy:
+            assert i.report is not None
+            why = i.last_error.split(":", 1)[0] or "no answer yet"  # the status, no details
+            return f"stage {i.report.pipeline_stage} ({i.instance_id}) is not answering: {why}"
+    if not later:
+        return ""
+    size = later[0].group_size
+    missing = sorted(set(range(1, size)) - {i.report.pipeline_stage for i in later
+                                             if i.report is not None})
+    return f"stage {missing[0]} of {size} is not among the instances" if missing else ""

@@ -132,12 +132,19 @@ def test_a_group_that_is_not_whole_or_misses_a_stage_is_incomplete_until_whole()
         stage.unreachable = True
         pool.groups()
         assert pool.usable() == [] and leader.state == "incomplete"
-        assert "stage 1" in leader.group_broken and "connection refused" in leader.group_broken
+        assert leader.group_broken == "stage 1 (g0-1) is not answering: UNAVAILABLE"
         assert stage.state == "unreachable"
         # Back when the stage answers again.
         stage.healthy, stage.unreachable, stage.last_error = True, False, ""
         pool.groups()
         assert pool.usable() == [leader] and leader.group_broken == ""
+        # Polled stages listed, one of them gone from the listing (its pod deleted).
+        leader3, stage3 = _group("g3")
+        assert leader3.report is not None and stage3.report is not None
+        stage3.report.pipeline_group_size = leader3.report.pipeline_group_size = 3
+        pool3 = _pool("prefill", leader3, stage3)
+        assert leader3.group_broken == "stage 2 of 3 is not among the instances"
+        assert pool3.usable() == [] and leader3.state == "incomplete"
         # Another revision's group of the same name is another group.
         other, other_stage = _group("g0", tag="v2")
         assert other.report is not None and other_stage.report is not None
