@@ -40,6 +40,10 @@ class UpConfig:
     port: int = defaults.CONDUCTOR_PORT
     prefill: int = 1
     decode: int = 1
+    prefill_group_size: int = 1
+    """Prefill instances per pipeline group: consecutive instances form groups g0, g1, ...,
+    each instance one stage (`--pipeline-stage`) passing hidden states to the next; only each
+    group's stage 0 (its leader) is given to the Conductor. 1: every instance on its own."""
     store_size: int = 1 << 30
     decode_segment_size: int = 256 << 20
     prefill_segment_size: int = 256 << 20
@@ -83,8 +87,44 @@ VLLM_CPU_DEFAULTS = ("--enforce-eager", "--dtype", "bfloat16", "--max-model-len"
 SGLANG_CPU_DEFAULTS = ("--dtype", "float32")
 
 
+def group_problem(prefill: int, group_size: int, engine: str) -> str | None:
+    """Why `--prefill N --prefill-group-size G` cannot start, or None when it can."""
+    if group_size < 1:
+        return f"--prefill-group-size must be at least 1, got {group_size}"
+    if prefill < 1 or prefill % group_size:
+        return (f"--prefill {prefill} is not a positive multiple of --prefill-group-size "
+                f"{group_size}: every group needs all of its {group_size} stages")
+    if group_size > 1 and engine != "embedded":
+        return (f"--prefill-group-size {group_size} needs --engine embedded: the {engine} "
+                "worker runs no pipeline stage (see docs/engines.md for its own pipeline "
+                "parallelism)")
+    return None
+
+
+def stage_args(index: int, group_size: int, host: str, ports: list[int]) -> list[str]:
+    """Prefill instance `index`'s pipeline flags: stage index % G of group g<index // G>,
+    passing to the next instance's gRPC port (the last stage has none). No flags when G is 1."""
+    if group_size == 1:
+        return []
+    stage = index % group_size
+    args = ["--pipeline-group", f"g{index // group_size}", "--pipeline-group-size",
+            str(group_size), "--pipeline-stage", str(stage)]
+    if stage < group_size - 1:
+        args += ["--pipeline-next", f"{host}:{ports[index + 1]}"]
+    return args
+
+
+def leaders(ports: list[int], group_size: int) -> list[int]:
+    """The prefill ports the Conductor routes to: each group's stage 0 (every instance when
+    G is 1). Stages > 0 are reached only through their leader."""
+    return ports[::group_size]
+
+
 class LocalCluster:
     def __init__(self, config: UpConfig, echo: Callable[[str], None] = print) -> None:
+        problem = group_problem(config.prefill, config.prefill_group_size, config.engine)
+        if problem:  # before any process starts
+            raise ValueError(problem)
         self.config = config
         self.echo = echo
         self.token = secrets.token_hex(16)
@@ -161,9 +201,12 @@ class LocalCluster:
                                    "--node-id", f"store-{self.master_port}",
                                    "--dram-size", str(c.store_size),
                                    "--metrics-port", str(nport)], nport)
+        # Every prefill port before any stage starts: stage i is told stage i+1's address.
+        self.prefill_ports = [free_service_port(h) for _ in range(c.prefill)]
         for role, count in (("prefill", c.prefill), ("decode", c.decode)):
             for i in range(count):
-                port, hport = free_service_port(h), free_service_port(h)
+                port = self.prefill_ports[i] if role == "prefill" else free_service_port(h)
+                hport = free_service_port(h)
                 args = [role, "--host", h, "--port", str(port), "--master", self.master,
                         "--metrics-port", str(hport), "--instance-id", f"{role}-{i}",
                         *self._model_args(), *self._engine_args()]
@@ -176,13 +219,14 @@ class LocalCluster:
                     self.decode_ports.append(port)
                 else:
                     args += ["--store-replicas", str(c.store_replicas),
-                             "--local-segment-size", str(c.prefill_segment_size)]
-                    self.prefill_ports.append(port)
+                             "--local-segment-size", str(c.prefill_segment_size),
+                             *stage_args(i, c.prefill_group_size, h, self.prefill_ports)]
                 self._spawn(f"{role}-{i}", args, hport)
         # Its /metrics also on the API port (loopback by default): `bench/serve` scrapes there.
         cport = free_service_port(h)
         args = ["conductor", "--host", h, "--port", str(self.port), "--master", self.master,
-                "--prefill", ",".join(f"{h}:{p}" for p in self.prefill_ports),
+                "--prefill", ",".join(f"{h}:{p}" for p in leaders(self.prefill_ports,
+                                                                   c.prefill_group_size)),
                 "--decode", ",".join(f"{h}:{p}" for p in self.decode_ports),
                 "--metrics-port", str(cport), "--metrics-on-api-port", *self._model_args()]
         if c.api_keys_file:
@@ -350,8 +394,10 @@ def run_up(config: UpConfig, echo: Callable[[str], None] = print) -> None:
 
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
-    echo(f"starting master, store node, {config.prefill} prefill, {config.decode} decode and "
-         f"the Conductor (logs: {cluster.log_dir})")
+    groups = (f" in {config.prefill // config.prefill_group_size} pipeline group(s) of "
+              f"{config.prefill_group_size}" if config.prefill_group_size > 1 else "")
+    echo(f"starting master, store node, {config.prefill} prefill{groups}, {config.decode} "
+         f"decode and the Conductor (logs: {cluster.log_dir})")
     code = 0
     try:
         cluster.start()

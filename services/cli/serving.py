@@ -168,7 +168,8 @@ def _segment_opt(default: str) -> Callable[[_F], _F]:
 _pipeline_opts = [
     click.option("--pipeline-group", envvar="MOONCAKE_PIPELINE_GROUP", default="",
                  show_envvar=True, help="Name of the prefill group this worker is a stage of "
-                 "(chunked pipeline-parallel prefill) [default: none, a single instance]."),
+                 "(chunked pipeline-parallel prefill); '{group}' is replaced by this pod's "
+                 "index // group size [default: none, a single instance]."),
     click.option("--pipeline-group-size", envvar="MOONCAKE_PIPELINE_GROUP_SIZE", default=1,
                  show_default=True, show_envvar=True, type=click.IntRange(1, 64),
                  help="Stages in the group, each computing an equal share of the layers."),
@@ -195,19 +196,25 @@ def _pipeline(o: dict[str, Any]) -> dict[str, Any]:
     """The pipeline flags as WorkerConfig fields, resolved and checked (a UsageError naming
     the flag otherwise)."""
     from mooncake_k8s.common.errors import InvalidArgument
-    from mooncake_k8s.prefill.pipeline.config import check_pipeline, resolve_next, resolve_stage
+    from mooncake_k8s.prefill.pipeline.config import (
+        check_pipeline,
+        resolve_group,
+        resolve_next,
+        resolve_stage,
+    )
 
     size = o["pipeline_group_size"]
     try:
+        group = resolve_group(o["pipeline_group"], size) if size > 1 else ""
         stage = resolve_stage(o["pipeline_stage"], size)
         nxt = resolve_next(o["pipeline_next"]) if stage < size - 1 else ""
-        check_pipeline(group=o["pipeline_group"], group_size=size, stage=stage, next_addr=nxt,
+        check_pipeline(group=group, group_size=size, stage=stage, next_addr=nxt,
                        chunk_tokens=o["pipeline_chunk_tokens"],
                        compute_chunk=o.get("block_tokens", BLOCK_TOKENS),
                        timeout_s=o["pipeline_stage_timeout"], engine_kind=o["engine_kind"])
     except InvalidArgument as e:
         raise click.UsageError(str(e)) from e
-    return {"pipeline_group": o["pipeline_group"] if size > 1 else "",
+    return {"pipeline_group": group,
             "pipeline_group_size": size, "pipeline_stage": stage, "pipeline_next": nxt,
             "pipeline_chunk_tokens": o["pipeline_chunk_tokens"],
             "pipeline_stage_timeout_s": o["pipeline_stage_timeout"]}
@@ -428,6 +435,11 @@ def conductor(**o: Any) -> None:
               type=click.IntRange(1, 64), help="Prefill instances.")
 @click.option("--decode", "n_decode", default=1, show_default=True,
               type=click.IntRange(1, 64), help="Decode instances.")
+@click.option("--prefill-group-size", default=1, show_default=True,
+              type=click.IntRange(1, 64),
+              help="Prefill instances per pipeline group (chunked pipeline-parallel prefill): "
+                   "consecutive instances form groups g0, g1, ..., each one stage; --prefill "
+                   "must be a multiple of it. Embedded engine only.")
 @click.option("--store-size", default="1GiB", show_default=True, type=SIZE,
               help="DRAM of the storage node.")
 @click.option("--store-replicas", default=2, show_default=True, type=click.IntRange(1, 8),
@@ -462,9 +474,12 @@ def up(**o: Any) -> None:
     """Start a whole cluster on this machine (master, store, prefill, decode, Conductor)."""
     from mooncake_k8s.common.logs import setup_logging
     from mooncake_k8s.supervise import RestartPolicy
-    from mooncake_k8s.up import UpConfig, run_up
+    from mooncake_k8s.up import UpConfig, group_problem, run_up
 
     setup_logging("up", "info", json_format=False)  # restarts are logged to stderr
+    problem = group_problem(o["n_prefill"], o["prefill_group_size"], o["engine_kind"])
+    if problem:
+        raise click.UsageError(problem)
     if o["engine_kind"] != "embedded":
         problem = _engine_checks(o["engine_kind"])[0]
         if problem:
@@ -472,6 +487,7 @@ def up(**o: Any) -> None:
 
     run_up(UpConfig(
         host=o["host"], port=o["port"], prefill=o["n_prefill"], decode=o["n_decode"],
+        prefill_group_size=o["prefill_group_size"],
         store_size=o["store_size"], store_replicas=o["store_replicas"],
         api_keys_file=o["api_keys_file"],
         use_prefix_cache=not o["no_prefix_cache"], log_dir=o["log_dir"], model=o["model"],

@@ -42,6 +42,10 @@ READ_DIRECTLY: tuple[EnvVar, ...] = (
            "deployment."),
     EnvVar("MOONCAKE_TRACE_FILE", "services/common/tracing.py",
            "Write trace spans as JSON lines to this file (tests and local debugging)."),
+    EnvVar("MOONCAKE_POD_INDEX", "services/prefill/pipeline/config.py",
+           "The pod's StatefulSet ordinal (downward API, label apps.kubernetes.io/pod-index): "
+           "a prefill pipeline stage's `--pipeline-stage auto`, `{group}` and `{index}` "
+           "resolve from it (else from the hostname's -<n> suffix)."),
     EnvVar("MOONCAKE_POD_NAME", "operator/rdma_probe.py",
            "The pod's name (downward API); names the host in the RDMA probe's record."),
     EnvVar("MOONCAKE_K8S_SGLANG", "services/engine/sglang/plugin.py",

@@ -58,6 +58,14 @@ def resolve_next(value: str, hostname: str | None = None) -> str:
     return value.replace("{index}", str(pod_index(hostname) + 1))
 
 
+def resolve_group(value: str, group_size: int, hostname: str | None = None) -> str:
+    """`--pipeline-group`: `{group}` becomes this pod's index // the group size, so one pod
+    template names every group of a StatefulSet (g0 for pods 0..G-1, g1 for G..2G-1, ...)."""
+    if "{group}" not in value:
+        return value
+    return value.replace("{group}", str(pod_index(hostname) // max(group_size, 1)))
+
+
 def check_pipeline(*, group: str, group_size: int, stage: int, next_addr: str,
                    chunk_tokens: int, compute_chunk: int, timeout_s: float,
                    engine_kind: str) -> None:
