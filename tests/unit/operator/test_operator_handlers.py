@@ -462,3 +462,48 @@ async def test_autoscaler_reads_conductor_metrics_and_scales(k8s: ApplyingEmulat
             reconcile._pod_urls = orig
     finally:
         await runner.cleanup()
+
+
+PODS = f"/api/v1/namespaces/{NS}/pods"
+
+
+def _stage_pod(template: Obj, index: int) -> Obj:
+    """A prefill pod as the StatefulSet would create it from `template`, running for an hour."""
+    labels = {**template["metadata"]["labels"], "apps.kubernetes.io/pod-index": str(index)}
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"demo-prefill-{index}", "namespace": NS, "labels": labels,
+                         "creationTimestamp": "2020-01-01T00:00:00Z"},
+            "spec": {"containers": [{"name": "prefill", "image": "x"}]},
+            "status": {"containerStatuses": [{"name": "prefill", "restartCount": 0}]}}
+
+
+@scenario
+async def test_a_stage_that_restarts_alone_restarts_its_group(k8s: ApplyingEmulator) -> None:
+    """Two groups of two stages: stage 1 of g0 restarts (its restartCount grows), so the
+    operator deletes stage 0 of g0 (the StatefulSet would start it again) and nothing of g1,
+    posts GroupRestarted and counts it in status.prefillGroups."""
+    async with operator(k8s):
+        await create(k8s, {"roles": {"prefill": {"replicas": 4, "pipelineGroupSize": 2}}})
+        template = await eventually(
+            lambda: obj(k8s, "StatefulSet", "demo-prefill")["spec"]["template"])
+        for i in range(4):
+            await api(k8s, "POST", PODS, _stage_pod(template, i), "application/json")
+        # Until the operator has seen the pod once, a restart is its first sight: restart it
+        # again until the operator acts (each restart is an increase it can compare with).
+        stage_0 = k8s.objects[PLURAL["Pod"], NS, "demo-prefill-0"]
+        deadline = asyncio.get_running_loop().time() + 10
+        restarts = 0
+        while not stage_0.deleted:
+            assert asyncio.get_running_loop().time() < deadline, "stage 0 was never restarted"
+            restarts += 1
+            await api(k8s, "PATCH", f"{PODS}/demo-prefill-1", {"status": {
+                "containerStatuses": [{"name": "prefill", "restartCount": restarts}]}})
+            await asyncio.sleep(0.2)
+        for name in ("demo-prefill-1", "demo-prefill-2", "demo-prefill-3"):
+            assert obj(k8s, "Pod", name)  # the restarted stage itself and the other group stay
+        event = await eventually(lambda: events(k8s, "GroupRestarted"))
+        assert "g0" in event[0]["message"] and "demo-prefill-0" in event[0]["message"]
+        groups = await eventually(lambda: obj(k8s, "MooncakeCluster", "demo")["status"][
+            "prefillGroups"]["restarts"] == 1 and obj(k8s, "MooncakeCluster", "demo")[
+            "status"]["prefillGroups"])
+        assert groups["size"] == 2 and groups["total"] == 2
