@@ -202,6 +202,8 @@ class PrefillDone:
     load_s: float = 0.0
     compute_s: float = 0.0
     store_s: float = 0.0
+    stages: list[pb.StageStats] = field(default_factory=list)
+    """A prefill group's per-stage shares, stage 0 first (empty for a single instance)."""
 
 
 @dataclass

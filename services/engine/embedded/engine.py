@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -73,6 +73,18 @@ class _Sequence:
 
 def _after_layer(layers: LayerExport, end: int, layer: int) -> None:
     layers.after_layer(layer, end)
+
+
+def after_layer_hook(layers: LayerExport | None, end: int) -> Any:
+    """The forward pass's `on_layer` for a chunk ending at `end` (None: nothing exported)."""
+    return None if layers is None else partial(_after_layer, layers, end)
+
+
+def scratch_tokens(n: int, max_context: int) -> int:
+    """Tokens a prefill buffer gets for an n-token prompt: rounded up to a multiple of 1024
+    (few distinct sizes, so a grow-only buffer rarely grows). Every prefill buffer, a
+    pipeline stage's included, is sized by this: same strides, same kernels."""
+    return max(min(max_context, -(-n // 1024) * 1024), n)
 
 
 class Engine:
@@ -213,10 +225,49 @@ class Engine:
     def _scratch_kv(self, n: int) -> torch.Tensor:
         """The prefill KV buffer, reused across calls: no page faults on the hot path."""
         if self._scratch is None or self._scratch.shape[3] < n:
-            cap = min(self.max_context, -(-n // 1024) * 1024)
             self._scratch = None
-            self._scratch = self.model.new_kv(max(cap, n))
+            self._scratch = self.model.new_kv(scratch_tokens(n, self.max_context))
         return self._scratch
+
+    def usable_blocks(self, verified: int, n: int) -> int:
+        """Of `verified` leading imported blocks of an n-token prompt, how many to keep.
+        Chunks must start at absolute multiples of the chunk size (determinism, see module
+        doc): a partial chunk's worth of imported blocks is recomputed instead."""
+        per_chunk = self.chunk_tokens // self.block_tokens
+        return verified - (verified % per_chunk if verified * self.block_tokens < n else 0)
+
+    def compute_chunks(self, start: int, end: int) -> Iterator[tuple[int, int]]:
+        """The compute chunks [s, e) covering positions [start, end): `chunk_tokens` long,
+        from `start` (an absolute multiple of it, by `usable_blocks`)."""
+        for s in range(start, end, self.chunk_tokens):
+            yield s, min(end, s + self.chunk_tokens)
+
+    def last_token_hidden(
+        self, x: torch.Tensor, n: int, kv: torch.Tensor, lo: int, hi: int
+    ) -> torch.Tensor:
+        """Layers [lo, hi) of the one-token pass over position n-1 (a block-multiple prompt's
+        first-token logits, as a full hit computes them); the KV it writes at n-1 is put
+        back, so the prompt's KV stays the chunked pass's bits. `kv` holds layers [lo, hi)."""
+        keep = kv[:, :, :, n - 1].clone()
+        out = self.model.decode_layers(x, [n - 1], [kv], lo, hi)
+        kv[:, :, :, n - 1].copy_(keep)
+        return out
+
+    def first_result(
+        self, ids: torch.Tensor, logits: torch.Tensor, params: SamplingParams,
+        cached: int, rejected: int,
+    ) -> PrefillResult:
+        """The first token sampled from `logits` [1, vocab] of prompt `ids`, with its text
+        and whether the sequence ends there (no blocks attached yet)."""
+        n = ids.numel()
+        seed = params.seed if params.seed is not None else random_seed()
+        token = sample_one(logits[0], params, seed, n)
+        stream = TextStream(self.tokenizer, ids.tolist(), params.stop)
+        text, reason = self._finish(token, stream, 1, self._max_new(n, params), params)
+        return PrefillResult(
+            first_token=token, text=text, finished=reason is not None, finish_reason=reason,
+            cached_tokens=cached, computed_tokens=n - cached, rejected_blocks=rejected,
+        )
 
     @torch.inference_mode()
     def prefill(
@@ -250,30 +301,14 @@ class Engine:
                 f"which has {full} full blocks of {bt}"
             )
         kv = self._scratch_kv(n)
-        verified = self._import(kv, imported, seq_id, payload_checked)
-        # Chunks must start at absolute multiples of the chunk size (determinism, see module
-        # doc): a partial chunk's worth of imported blocks is recomputed instead.
-        per_chunk = self.chunk_tokens // bt
-        used = verified - (verified % per_chunk if verified * bt < n else 0)
+        verified = self.import_blocks(kv, imported, seq_id, payload_checked)
+        used = self.usable_blocks(verified, n)
         layers = None
         if export and sink is not None and (full > used or n % bt):
             layers = LayerExport(kv, self.layout, bt, used, n, sink)
         logits = self._forward(ids, used * bt, kv, layers)
-        cached = min(used * bt, n - 1)
-        params = sampling
-        seed = params.seed if params.seed is not None else random_seed()
-        token = sample_one(logits[0], params, seed, n)
-        stream = TextStream(self.tokenizer, ids.tolist(), params.stop)
-        text, reason = self._finish(token, stream, 1, self._max_new(n, params), params)
-        result = PrefillResult(
-            first_token=token,
-            text=text,
-            finished=reason is not None,
-            finish_reason=reason,
-            cached_tokens=cached,
-            computed_tokens=n - cached,
-            rejected_blocks=len(imported) - verified,
-        )
+        result = self.first_result(ids, logits, sampling, min(used * bt, n - 1),
+                                   len(imported) - verified)
         if layers is not None:
             blocks, tail = layers.finish()
             result.new_blocks = list(zip(range(used, full), blocks, strict=True))
@@ -293,24 +328,24 @@ class Engine:
         host_last = int(ids[-1])
         ids = ids.to(self.device)
         hidden: torch.Tensor | None = None
-        for s in range(start, n, self.chunk_tokens):
-            e = min(n, s + self.chunk_tokens)
-            hook = None if layers is None else partial(_after_layer, layers, e)
-            hidden = self.model.prefill_chunk(ids[s:e], s, kv, hook)
+        for s, e in self.compute_chunks(start, n):
+            hidden = self.model.prefill_chunk(ids[s:e], s, kv, after_layer_hook(layers, e))
         if n % self.block_tokens == 0:  # logits from a one-token pass, as a full hit does
-            keep = kv[:, :, :, n - 1].clone()
-            logits = self.model.forward_single(host_last, n - 1, kv)
-            kv[:, :, :, n - 1].copy_(keep)
-            return logits
+            x = self.model.embed_ids(torch.tensor([host_last], device=self.device))
+            return self.model.logits(
+                self.last_token_hidden(x, n, kv, 0, self.model.num_layers))
         assert hidden is not None
         return self.model.logits(hidden)
 
-    def _import(
-        self, kv: torch.Tensor, blocks: Sequence[Any], seq_id: str, payload_checked: bool = False
+    def import_blocks(
+        self, kv: torch.Tensor, blocks: Sequence[Any], seq_id: str, payload_checked: bool = False,
+        layers: tuple[int, int] | None = None,
     ) -> int:
-        """Copy verified blocks into kv; returns how many leading blocks were usable."""
+        """Copy verified blocks into kv (which holds `layers` [lo, hi) of the model, default
+        all: a pipeline stage imports its own layers' slices of whole blocks); returns how
+        many leading blocks were usable."""
         used, error = self.codec.load(
-            kv, blocks, [self.block_tokens] * len(blocks), payload_checked
+            kv, blocks, [self.block_tokens] * len(blocks), payload_checked, layers
         )
         if error is not None:
             log.warning(

@@ -110,25 +110,31 @@ class BlockCodec:
         return self._pool
 
     def copy_in(self, kv: torch.Tensor, start: int, payload: torch.Tensor) -> None:
-        """Write a verified payload into kv[..., start:start+tokens, :]."""
+        """Write a verified payload (or a layer range of it) into kv[..., start:end, :]."""
         end = start + payload.shape[3]
         pinned = payload.device.type == "cpu" and kv.device.type == "cuda" and payload.is_pinned()
         kv[:, :, :, start:end].copy_(payload, non_blocking=pinned)
 
     def load(
         self, kv: torch.Tensor, blocks: Sequence[Any], tokens: Sequence[int],
-        payload_checked: bool = False,
+        payload_checked: bool = False, layers: tuple[int, int] | None = None,
     ) -> tuple[int, IntegrityError | None]:
         """Verify `blocks` (holding `tokens` tokens each, in order from position 0) and copy them
         into kv. Stops at the first bad block: returns (blocks copied, its error or None).
-        `payload_checked`: the payloads' bytes were verified already (module docstring)."""
+        `payload_checked`: the payloads' bytes were verified already (module docstring).
+        `layers`: kv holds only layers [lo, hi) (a pipeline stage): whole blocks are verified,
+        and their slices of those layers copied."""
+        lo, hi = layers if layers is not None else (0, self.layout.layers)
+        if kv.shape[0] != hi - lo:
+            raise ValueError(f"a KV tensor of {kv.shape[0]} layers cannot hold [{lo}, {hi})")
         cuda = kv.device.type == "cuda"
         staged: list[int] = []  # token start of each block in the staging buffer
 
         def flush() -> None:
             if staged:
                 stage = self._staging(kv.device)
-                self._token_groups(kv, staged[0], len(staged)).copy_(stage[: len(staged)])
+                self._token_groups(kv, staged[0], len(staged)).copy_(
+                    stage[: len(staged), lo:hi])
                 staged.clear()
 
         start, copied, error = 0, 0, None
@@ -145,7 +151,7 @@ class BlockCodec:
                     flush()
             else:
                 flush()
-                self.copy_in(kv, start, payload)
+                self.copy_in(kv, start, payload[lo:hi])
             start += n
             copied += 1
         flush()

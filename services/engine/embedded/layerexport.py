@@ -11,6 +11,11 @@ below picks it up there. The headers hold the payload's checksum, so they come l
 
 The encodings are byte-identical to `BlockCodec.export`'s, so a block streamed here and one
 stored after the prefill are the same object.
+
+A pipeline stage (`stage`) holds only layers [lo, hi): its export fills just those layers'
+ranges of the full-size encodings (byte offsets are always those of the whole block, so every
+stage's ranges land where a single instance's would) and writes no headers; the leader fills
+the other stages' ranges from the store, then writes the headers over the whole payload.
 """
 
 from __future__ import annotations
@@ -42,8 +47,14 @@ class LayerExport:
     """The new blocks' encodings of one prefill, filled layer by layer (see the module doc)."""
 
     def __init__(self, kv: torch.Tensor, layout: BlockLayout, block_tokens: int,
-                 first: int, n: int, sink: LayerSink) -> None:
+                 first: int, n: int, sink: LayerSink,
+                 layers: tuple[int, int] | None = None) -> None:
+        """`kv` holds layers `layers` = [lo, hi) (default all; kv[i - lo] is layer i's)."""
         self.kv = kv
+        self.lo, self.hi = layers if layers is not None else (0, layout.layers)
+        if not 0 <= self.lo < self.hi <= layout.layers or kv.shape[0] != self.hi - self.lo:
+            raise ValueError(f"layers [{self.lo}, {self.hi}) do not match a KV tensor of "
+                             f"{kv.shape[0]} layers in a model of {layout.layers}")
         self.layout = layout
         self.bt = block_tokens
         self.first, self.full, self.n = first, n // block_tokens, n
@@ -61,8 +72,9 @@ class LayerExport:
             self._objects.append(self._buf[pos:pos + size])
             pos += size
         self.views = [byte_view(o.numpy()) for o in self._objects]
-        self._cursor = [first] * layout.layers  # per layer: the first block not yet exported
-        self._tail_done = [False] * layout.layers
+        nl = self.hi - self.lo  # per own layer: the first block not yet exported
+        self._cursor = [first] * nl
+        self._tail_done = [False] * nl
         self._cuda = cuda
         sink.open(first, self.views, bool(self.tail))
 
@@ -74,38 +86,52 @@ class LayerExport:
 
     def after_layer(self, layer: int, end: int) -> None:
         """KV of positions [0, end) is final for `layer`: export what that completes."""
-        lo, hi = self._cursor[layer], min(self.full, end // self.bt)
+        j = layer - self.lo
+        lo, hi = self._cursor[j], min(self.full, end // self.bt)
         items: list[tuple[int, int]] = [(b - self.first, self.bt) for b in range(lo, hi)]
-        self._cursor[layer] = max(lo, hi)
-        if self.tail and end >= self.n and not self._tail_done[layer]:
+        self._cursor[j] = max(lo, hi)
+        if self.tail and end >= self.n and not self._tail_done[j]:
             items.append((self.full - self.first, self.tail))
-            self._tail_done[layer] = True
+            self._tail_done[j] = True
         if not items:
             return
         for index, tokens in items:
             t0 = (self.first + index) * self.bt
             self._payload(index, tokens)[layer].copy_(
-                self.kv[layer, :, :, t0:t0 + tokens], non_blocking=self._cuda)
+                self.kv[j, :, :, t0:t0 + tokens], non_blocking=self._cuda)
         event = None
         if self._cuda:
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(torch.cuda.current_stream(self.kv.device))
-        for index, tokens in items:
-            step = self.layout.payload_bytes(tokens) // self.layout.layers
-            start = HEADER_SIZE + layer * step
-            self.sink.ready(index, start, start + step, event)
+        for index, _ in items:
+            start, end = self.layer_range(index, layer, layer + 1)
+            self.sink.ready(index, start, end, event)
 
-    def finish(self) -> tuple[list[memoryview], memoryview | None]:
-        """Headers written and sent: (full blocks' encodings, the tail's or None)."""
+    def tokens(self, index: int) -> int:
+        """Tokens in encoding `index` (the tail's are fewer)."""
+        return self.tail if (self.tail and index == len(self.views) - 1) else self.bt
+
+    def layer_range(self, index: int, lo: int, hi: int) -> tuple[int, int]:
+        """Byte range [start, end) of layers [lo, hi) in encoding `index` (header included
+        in the offsets: the coordinates of the whole block)."""
+        step = self.layout.payload_bytes(self.tokens(index)) // self.layout.layers
+        return HEADER_SIZE + lo * step, HEADER_SIZE + hi * step
+
+    def finish(self, headers: bool = True) -> tuple[list[memoryview], memoryview | None]:
+        """Check every own layer was exported; with `headers`, write and send the headers
+        (every layer's bytes must be in the encodings by then). Returns (full blocks'
+        encodings, the tail's or None)."""
         if self._cuda:
             torch.cuda.current_stream(self.kv.device).synchronize()
-        missing = [i for i, c in enumerate(self._cursor) if c < self.full]
+        missing = [self.lo + i for i, c in enumerate(self._cursor) if c < self.full]
         if missing or (self.tail and not all(self._tail_done)):
             raise AssertionError(f"layers {missing} of the prefill's blocks were not exported")
-        for i, view in enumerate(self.views):
-            tokens = self.tail if (self.tail and i == len(self.views) - 1) else self.bt
-            self._objects[i][:HEADER_SIZE].numpy()[:] = np.frombuffer(
-                encode_header(self.layout, tokens, view[HEADER_SIZE:]), np.uint8)
-            self.sink.ready(i, 0, HEADER_SIZE)
         full = self.views[: self.full - self.first]
-        return full, (self.views[-1] if self.tail else None)
+        tail = self.views[-1] if self.tail else None
+        if not headers:
+            return full, tail
+        for i, view in enumerate(self.views):
+            self._objects[i][:HEADER_SIZE].numpy()[:] = np.frombuffer(
+                encode_header(self.layout, self.tokens(i), view[HEADER_SIZE:]), np.uint8)
+            self.sink.ready(i, 0, HEADER_SIZE)
+        return full, tail

@@ -59,6 +59,23 @@ def _segments(*names: str) -> list[str]:
     return list(dict.fromkeys(n for n in names if n))
 
 
+def open_stream(store: StoreClient, work: PrefillWork, first_block: int,
+                views: Sequence[memoryview], tail: bool) -> StreamPut:
+    """The streamed put of a prefill's new blocks from `first_block` (their encodings are
+    `views`, the tail's last when `tail`): full blocks on the plan's home and write segments,
+    the tail on the write segment only."""
+    plan = work.plan
+    full = len(views) - int(tail)
+    keys = list(plan.keys[first_block:first_block + full])
+    segs = [_segments(plan.home_segment, plan.write_segment)] * full
+    if tail:
+        keys.append(tail_key(work.request_id))
+        segs.append(_segments(plan.write_segment))
+    return StreamPut(store, keys, views, segs,
+                     placement="preferred" if plan.write_segment else "local_first",
+                     preferred_segment=plan.write_segment)
+
+
 class _StreamSink:
     """The engine's `LayerSink` feeding one `StreamPut`; the put starts once the engine says
     which blocks it will compute (after verifying the imported ones)."""
@@ -66,25 +83,66 @@ class _StreamSink:
     def __init__(self, store: StoreClient, work: PrefillWork) -> None:
         self.store, self.work = store, work
         self.put: StreamPut | None = None
-        self.first = 0
-        self.keys: list[str] = []
 
     def open(self, first_block: int, views: Sequence[memoryview], tail: bool) -> None:
-        plan = self.work.plan
-        full = len(views) - int(tail)
-        self.first = first_block
-        self.keys = list(plan.keys[first_block:first_block + full])
-        segs = [_segments(plan.home_segment, plan.write_segment)] * full
-        if tail:
-            self.keys.append(tail_key(self.work.request_id))
-            segs.append(_segments(plan.write_segment))
-        self.put = StreamPut(self.store, self.keys, views, segs,
-                             placement="preferred" if plan.write_segment else "local_first",
-                             preferred_segment=plan.write_segment)
+        self.put = open_stream(self.store, self.work, first_block, views, tail)
 
     def ready(self, index: int, start: int, end: int, event: Any = None) -> None:
         assert self.put is not None
         self.put.ready(index, start, end, event)
+
+
+class BlockReader:
+    """Reads a prompt's leading blocks into one grow-only staging buffer (a single prefill at
+    a time uses it: the engine copies imported KV out before the next read)."""
+
+    def __init__(self, store: KVStore, block_bytes: int) -> None:
+        self.store = store
+        self.block_bytes = block_bytes
+        self._staging = np.empty(0, dtype=np.uint8)
+
+    def _views(self, n: int) -> list[memoryview]:
+        """Views over the buffer; reusing it, a prefill never pays for fresh pages."""
+        size = self.block_bytes
+        self.store.wait_kept()  # a keep of the last prefill may still read these bytes
+        if self._staging.nbytes < n * size:
+            self._staging = np.empty(n * size, dtype=np.uint8)
+        mv = byte_view(self._staging, writable=True)
+        return [mv[i * size:(i + 1) * size] for i in range(n)]
+
+    def read(self, keys: Sequence[str], keep_on: str) -> list[memoryview]:
+        """The leading blocks, read straight into staging memory; the first miss ends them.
+        Blocks read from another host are kept on `keep_on` (hot-block replication). The
+        store verified each object's bytes against its checksum as it read them."""
+        if not keys:
+            return []
+        views = self._views(len(keys))
+        try:
+            # Kept in the background while the engine computes (`_views` waits).
+            sizes = self.store.batch_get_into(list(keys), views, keep_on=keep_on,
+                                              keep_later=True)
+        except StoreError as e:
+            log.warning("reading cached blocks failed; computing everything",
+                        extra={"error": str(e)})
+            return []
+        out: list[memoryview] = []
+        for v, size in zip(views, sizes, strict=True):
+            if size is None:
+                break
+            out.append(v[:size])
+        return out
+
+
+def prefill_done(res: PrefillResult, tail: str, stored: int, imported: int,
+                 times: tuple[float, float, float]) -> PrefillDone:
+    """The seam's answer for a prefill's result (`times`: load, compute, store seconds)."""
+    return PrefillDone(
+        first_token=res.first_token, text=res.text, finished=res.finished,
+        finish_reason=res.finish_reason or "", cached_tokens=res.cached_tokens,
+        computed_tokens=res.computed_tokens, tail_key=tail, stored_blocks=stored,
+        imported_blocks=imported, rejected_blocks=res.rejected_blocks, load_s=times[0],
+        compute_s=times[1], store_s=times[2],
+    )
 
 
 class EmbeddedPrefill(_Embedded):
@@ -92,7 +150,7 @@ class EmbeddedPrefill(_Embedded):
 
     def __init__(self, config: EngineConfig, store: KVStore) -> None:
         super().__init__(config, store)
-        self._staging = np.empty(0, dtype=np.uint8)
+        self._reader = BlockReader(store, self.block_bytes)
         self.layerwise = config.layerwise_kv and isinstance(store, StoreClient)
         self.streamed_objects = 0
         self.stream_fallbacks = 0
@@ -109,16 +167,6 @@ class EmbeddedPrefill(_Embedded):
                           "KV blocks a layer-wise stream could not store, put after prefill",
                           self.stream_fallbacks),
         ]
-
-    def _staging_views(self, n: int) -> list[memoryview]:
-        """Views over one grow-only buffer: the engine copies imported KV out before returning,
-        so a single prefill at a time can reuse it and never pays for fresh pages."""
-        size = self.block_bytes
-        self.store.wait_kept()  # a keep of the last prefill may still read these bytes
-        if self._staging.nbytes < n * size:
-            self._staging = np.empty(n * size, dtype=np.uint8)
-        mv = byte_view(self._staging, writable=True)
-        return [mv[i * size:(i + 1) * size] for i in range(n)]
 
     def prefill(self, work: PrefillWork) -> PrefillDone:
         t0 = time.monotonic()
@@ -144,14 +192,8 @@ class EmbeddedPrefill(_Embedded):
         with tracing.span("prefill.store_kv", new_blocks=len(res.new_blocks),
                           layerwise=sink is not None):
             stored, tkey = self._store(work, res, sink)
-        return PrefillDone(
-            first_token=res.first_token, text=res.text, finished=res.finished,
-            finish_reason=res.finish_reason or "", cached_tokens=res.cached_tokens,
-            computed_tokens=res.computed_tokens, tail_key=tkey, stored_blocks=stored,
-            imported_blocks=len(imported) - res.rejected_blocks,
-            rejected_blocks=res.rejected_blocks, load_s=t1 - t0, compute_s=t2 - t1,
-            store_s=time.monotonic() - t2,
-        )
+        return prefill_done(res, tkey, stored, len(imported) - res.rejected_blocks,
+                            (t1 - t0, t2 - t1, time.monotonic() - t2))
 
     def _lookup(self, keys: list[str]) -> int:
         """No plan: ask the master how long the stored prefix is."""
@@ -164,22 +206,8 @@ class EmbeddedPrefill(_Embedded):
             return 0
 
     def _read(self, keys: list[str], keep_on: str) -> list[memoryview]:
-        """The leading blocks, read straight into staging memory; the first miss ends them.
-        Blocks read from another host are kept on `keep_on` (hot-block replication)."""
-        views = self._staging_views(len(keys))
-        try:
-            # Kept in the background while the engine computes (`_staging_views` waits).
-            sizes = self.store.batch_get_into(keys, views, keep_on=keep_on, keep_later=True)
-        except StoreError as e:
-            log.warning("reading cached blocks failed; computing everything",
-                        extra={"error": str(e)})
-            return []
-        out: list[memoryview] = []
-        for v, size in zip(views, sizes, strict=True):
-            if size is None:
-                break
-            out.append(v[:size])
-        return out
+        """The leading blocks (`BlockReader.read`)."""
+        return self._reader.read(keys, keep_on)
 
     def _store(self, work: PrefillWork, res: PrefillResult,
                sink: _StreamSink | None) -> tuple[int, str]:

@@ -104,16 +104,18 @@ class Transformer:
 
     # -- KV tensors ---------------------------------------------------------------------
 
-    def kv_shape(self, tokens: int) -> tuple[int, int, int, int, int]:
+    def kv_shape(self, tokens: int, layers: int | None = None) -> tuple[int, int, int, int, int]:
         """`[layer, k|v, kv_head, token, head_dim]`: the block payload's layout, so importing
-        or exporting a block is one strided copy of a token range."""
-        return (self.num_layers, 2, self.num_kv_heads, tokens, self.head_dim)
+        or exporting a block is one strided copy of a token range. `layers`: a pipeline
+        stage's count (default: all of them)."""
+        nl = self.num_layers if layers is None else layers
+        return (nl, 2, self.num_kv_heads, tokens, self.head_dim)
 
     def kv_bytes_per_token(self) -> int:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
-    def new_kv(self, tokens: int) -> torch.Tensor:
-        return torch.empty(self.kv_shape(tokens), device=self.device, dtype=self.dtype)
+    def new_kv(self, tokens: int, layers: int | None = None) -> torch.Tensor:
+        return torch.empty(self.kv_shape(tokens, layers), device=self.device, dtype=self.dtype)
 
     # -- building blocks ----------------------------------------------------------------
 
@@ -164,6 +166,10 @@ class Transformer:
 
     # -- prefill ------------------------------------------------------------------------
 
+    def embed_ids(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [n] (on this device) -> the first layer's input, hidden states [n, hidden]."""
+        return F.embedding(token_ids, self.embed)
+
     def prefill_chunk(
         self, token_ids: torch.Tensor, start: int, kv: torch.Tensor,
         on_layer: Callable[[int], None] | None = None,
@@ -178,18 +184,31 @@ class Transformer:
         keep the chunk boundaries a function of absolute positions only, so a block's KV is
         the same bits whether this prompt, or another sharing the prefix, computed it.
         """
-        n = token_ids.shape[0]
+        x = self.embed_ids(token_ids)
+        return self.run_layers(x, start, kv, 0, self.num_layers, on_layer)[-1:]
+
+    def run_layers(
+        self, x: torch.Tensor, start: int, kv: torch.Tensor, lo: int, hi: int,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Layers [lo, hi) of `prefill_chunk` for hidden states x [n, hidden] at positions
+        [start, start+n): what a pipeline stage holding those layers computes. `kv` holds
+        only those layers (kv[i - lo] is layer i's); `on_layer` gets the global layer index.
+        Returns the hidden states after layer hi-1, [n, hidden]. The whole model's pass is
+        this over [0, num_layers), so a stage and a single instance run the same kernels on
+        the same inputs: splitting the layers changes no bit."""
+        n = x.shape[0]
         end = start + n
-        x = F.embedding(token_ids, self.embed)
         cos, sin = self.cos[start:end, None], self.sin[start:end, None]
         mask: torch.Tensor | None = None
-        for i, layer in enumerate(self.layers):
+        for i in range(lo, hi):
+            layer, j = self.layers[i], i - lo
             q, k, v = self._qkv(layer, x, cos, sin)
-            kv[i, 0, :, start:end].copy_(k.transpose(0, 1))
-            kv[i, 1, :, start:end].copy_(v.transpose(0, 1))
+            kv[j, 0, :, start:end].copy_(k.transpose(0, 1))
+            kv[j, 1, :, start:end].copy_(v.transpose(0, 1))
             if on_layer is not None:
                 on_layer(i)
-            keys, values = kv[i, 0, None, :, :end], kv[i, 1, None, :, :end]
+            keys, values = kv[j, 0, None, :, :end], kv[j, 1, None, :, :end]
             o: torch.Tensor | None = None
             if self._fused is not None and n > 1:
                 o = self._attend_fused(q, keys, values)
@@ -201,7 +220,7 @@ class Transformer:
                 o = self._ungroup(g[0], n)
             x = x + F.linear(o, layer.wo, layer.bo)
             x = self._mlp(layer, x)
-        return x[-1:]
+        return x
 
     def _attend_fused(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
@@ -241,22 +260,32 @@ class Transformer:
         b = token_ids.shape[0]
         if b != len(positions) or b != len(kvs):
             raise InvalidArgument("token_ids, positions and kvs must have the same length")
+        x = self.embed_ids(token_ids)
+        return self.logits(self.decode_layers(x, positions, kvs, 0, self.num_layers))
+
+    def decode_layers(
+        self, x: torch.Tensor, positions: Sequence[int], kvs: Sequence[torch.Tensor],
+        lo: int, hi: int,
+    ) -> torch.Tensor:
+        """Layers [lo, hi) of `decode` for hidden states x [B, hidden]; kvs[b] holds only
+        those layers (kvs[b][i - lo] is layer i's). Returns the hidden states [B, hidden]."""
+        b = x.shape[0]
         pos = torch.tensor(positions, device=self.device)
-        x = F.embedding(token_ids, self.embed)
         cos, sin = self.cos[pos, None], self.sin[pos, None]
-        for i, layer in enumerate(self.layers):
+        for i in range(lo, hi):
+            layer, li = self.layers[i], i - lo
             q, k, v = self._qkv(layer, x, cos, sin)
             kvnew = torch.stack((k, v), dim=1)  # [B, 2, kv_heads, d]
             outs = []
             for j in range(b):
                 p, cache = positions[j], kvs[j]
-                cache[i, :, :, p].copy_(kvnew[j])
-                keys, values = cache[i, 0, :, : p + 1], cache[i, 1, :, : p + 1]
+                cache[li, :, :, p].copy_(kvnew[j])
+                keys, values = cache[li, 0, :, : p + 1], cache[li, 1, :, : p + 1]
                 outs.append(self._attend_one(q[j], keys, values))
             attn = outs[0] if b == 1 else torch.cat(outs)
             x = x + F.linear(attn, layer.wo, layer.bo)
             x = self._mlp(layer, x)
-        return self.logits(x)
+        return x
 
     def _attend_one(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor

@@ -1,0 +1,221 @@
+"""Pipeline stages of a prefill group (issue 21) with the real model, in one process: a group
+of 2 or 3 `EmbeddedStage`s, run chunk by chunk as the runtime does (hidden states passed as
+raw bytes), gives the single instance's first token and byte-identical KV blocks, cold and
+from imported blocks, with pipeline chunks of one and of several compute chunks.
+
+Here the KV goes to in-memory stand-ins of the store's streamed put and plan writer (a
+`Board` that records each stage's byte ranges and lets the leader read the others' back),
+so the engine's side is checked on its own; `test_stage_store.py` runs it against a real
+store."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from mooncake_k8s.common.blocks import HEADER_SIZE
+from mooncake_k8s.common.errors import InvalidArgument
+from mooncake_k8s.common.rpc import serving_pb2 as pb
+from mooncake_k8s.engine.api import KVPlan, PrefillWork
+from mooncake_k8s.engine.embedded import Engine
+from mooncake_k8s.engine.embedded.stage import EmbeddedStage, stage_layers
+from mooncake_k8s.engine.embedded.testing import GREEDY, prompt_tokens
+from mooncake_k8s.store.client.streamput import StreamFailed
+
+
+class Board:
+    """Where the group's KV bytes go: the leader's put and the other stages' writers."""
+
+    def __init__(self) -> None:
+        self.put: MemPut | None = None
+        self.writers: list[MemWriter] = []
+        self.fail_writes: set[int] = set()
+        self.fail_fill = False
+        self.results: list[Exception | None] | None = None
+
+    def make_put(self, work: PrefillWork, first: int, views: Sequence[memoryview],
+                 tail: bool) -> MemPut:
+        self.put = MemPut(self, views, tail)
+        return self.put
+
+    def make_writer(self, plan: bytes, views: Sequence[memoryview]) -> MemWriter:
+        assert plan == b"mem-plan"
+        w = MemWriter(self, views)
+        self.writers.append(w)
+        return w
+
+
+def _covered(ranges: list[tuple[int, int, int]], index: int, start: int, end: int) -> bool:
+    got = sorted((s, e) for i, s, e in ranges if i == index and start <= s and e <= end)
+    pos = start
+    for s, e in got:
+        if s != pos:
+            return False
+        pos = e
+    return pos == end
+
+
+class MemPut:
+    def __init__(self, board: Board, views: Sequence[memoryview], tail: bool) -> None:
+        self.board, self.views, self.tail = board, views, tail
+        self.ranges: list[tuple[int, int, int]] = []
+        self.filled: list[tuple[int, int, int]] = []
+        self.aborted = False
+        self.skipped: Sequence[int] = ()
+        self.committed: list[bytes] = []
+
+    def plan(self) -> bytes:
+        return b"mem-plan"
+
+    def ready(self, index: int, start: int, end: int, event: Any = None) -> None:
+        self.ranges.append((index, start, end))
+
+    def fill_remote(self, ranges: Sequence[tuple[int, int, int]]) -> None:
+        if self.board.fail_fill:
+            raise StreamFailed("no replica answered")
+        for i, s, e in ranges:
+            src = [w for w in self.board.writers if _covered(w.ranges, i, s, e)]
+            assert len(src) == 1, f"no stage wrote exactly [{s}, {e}) of object {i}"
+            self.views[i][s:e] = src[0].views[i][s:e]
+            self.filled.append((i, s, e))
+
+    def finish(self, skip: Sequence[int] = ()) -> list[Exception | None]:
+        self.skipped = skip
+        self.committed = [bytes(v) for v in self.views]
+        if self.board.results is not None:
+            return self.board.results
+        return [StreamFailed("skipped") if i in skip else None for i in range(len(self.views))]
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+class MemWriter:
+    def __init__(self, board: Board, views: Sequence[memoryview]) -> None:
+        self.board, self.views = board, views
+        self.ranges: list[tuple[int, int, int]] = []
+        self.bytes_written = 0
+        self.aborted = False
+
+    def ready(self, index: int, start: int, end: int, event: Any = None) -> None:
+        self.ranges.append((index, start, end))
+        self.bytes_written += end - start
+
+    def finish(self) -> list[Exception | None]:
+        return [StreamFailed("lost") if i in self.board.fail_writes else None
+                for i in range(len(self.views))]
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def make_group(engine: Engine, size: int, board: Board, store: Any = None) -> list[EmbeddedStage]:
+    return [EmbeddedStage(engine, store, s, size, put_factory=board.make_put,
+                          writer_factory=board.make_writer) for s in range(size)]
+
+
+def work_for(engine: Engine, rid: str, ids: list[int], reuse: int = 0) -> PrefillWork:
+    plan = KVPlan(tuple(engine.block_keys(ids)), local_blocks=reuse)
+    return PrefillWork(rid, ids, "", pb.Sampling(temperature=0, max_tokens=20), plan)
+
+
+def run_group(stages: list[EmbeddedStage], work: PrefillWork, chunk: int,
+              reuse_keys: Sequence[str] = ()) -> Any:
+    """What the runtime does, in one thread: begin everywhere, agree on the start, open the
+    KV writes, push each pipeline chunk through every stage (hidden states as bytes)."""
+    ids, rid = work.token_ids, work.request_id
+    verified = [st.begin(rid, ids, reuse_keys) for st in stages]
+    leader = stages[0]
+    first = leader.recompute_from(verified)
+    plan = leader.open_put(work, first)
+    for st in stages[1:]:
+        st.open_writer(first, plan)
+    n, bt = len(ids), leader.engine.block_tokens
+    last: torch.Tensor | None = None
+    for s in range(first * bt, n, chunk):
+        e = min(n, s + chunk)
+        hidden = None
+        for i, st in enumerate(stages):
+            wire = None if hidden is None else bytes(stages[i - 1].hidden_view(hidden))
+            x = None if wire is None else st.hidden_from_bytes(wire, e - s)
+            hidden = st.forward(s, e, x)
+            assert hidden.shape == (e - s, st.hidden_size) and hidden.is_contiguous()
+        assert hidden is not None
+        last = hidden[-1:]
+    if leader.needs_last_token_pass():
+        last = None
+        for st in stages:
+            last = st.last_token_pass(last)
+    failed: list[int] = []
+    for st in stages[1:]:
+        f, _ = st.end_writes()
+        failed += f
+    assert last is not None
+    return leader.complete(work, last, [(st.lo, st.hi) for st in stages[1:]], failed)
+
+
+def test_stage_layers_are_balanced_and_contiguous() -> None:
+    assert [stage_layers(30, 2, s) for s in range(2)] == [(0, 15), (15, 30)]
+    for layers in (1, 7, 30, 32):
+        for size in range(1, min(layers, 9) + 1):
+            spans = [stage_layers(layers, size, s) for s in range(size)]
+            assert spans[0][0] == 0 and spans[-1][1] == layers
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+            widths = [hi - lo for lo, hi in spans]
+            assert min(widths) >= 1 and max(widths) - min(widths) <= 1
+
+
+@pytest.mark.parametrize(("layers", "size", "stage", "msg"), [
+    (30, 2, 2, r"pipeline stage 2 is not in \[0, 2\)"),
+    (30, 2, -1, r"pipeline stage -1 is not in \[0, 2\)"),
+    (30, 0, 0, "a pipeline group of 0 stages"),
+    (4, 5, 0, "a pipeline group of 5 stages cannot split a model of 4 layers"),
+])
+def test_bad_stage_indexes_are_refused(layers: int, size: int, stage: int, msg: str) -> None:
+    with pytest.raises(InvalidArgument, match=msg):
+        stage_layers(layers, size, stage)
+
+
+def single(engine: Engine, ids: list[int], imported: Sequence[Any] = ()) -> tuple[int, list[bytes]]:
+    """The single instance's first token and new objects (full blocks, then the tail)."""
+    res = engine.prefill(ids, list(imported), GREEDY)
+    objs = [bytes(b) for _, b in res.new_blocks]
+    if res.tail_block is not None:
+        objs.append(bytes(res.tail_block))
+    return res.first_token, objs
+
+
+CASES = [(40, 64), (4 * 64, 64), (4 * 64, 256), (700, 64), (700, 256)]
+
+
+@pytest.mark.parametrize(("n", "chunk"), CASES)
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_group_computes_the_single_instance_bits(
+        engine: Engine, n: int, chunk: int, size: int) -> None:
+    ids = prompt_tokens(engine, n, variant=n + chunk)
+    token, objs = single(engine, ids)
+    board = Board()
+    done = run_group(make_group(engine, size, board), work_for(engine, f"g{n}", ids), chunk)
+    assert done.first_token == token
+    put = board.put
+    assert put is not None and not put.aborted
+    assert put.committed == objs
+    # a finished request's tail is skipped; none here (max_tokens 20)
+    assert list(put.skipped) == [] and done.stored_blocks == n // 64
+    assert done.tail_key == (f"tail/g{n}" if n % 64 else "")
+    assert (done.cached_tokens, done.computed_tokens) == (0, n)
+    # each stage streamed exactly its own layers: the leader also the headers, last
+    step = [(len(v) - HEADER_SIZE) // engine.model.num_layers for v in put.views]
+    stages = make_group(engine, size, Board())
+    for st, ranges in zip(stages, [put.ranges] + [w.ranges for w in board.writers],
+                          strict=True):
+        for i in range(len(put.views)):
+            mine = sorted((s, e) for j, s, e in ranges if j == i and s >= HEADER_SIZE)
+            assert mine[0][0] == HEADER_SIZE + st.lo * step[i]
+            assert mine[-1][1] == HEADER_SIZE + st.hi * step[i] and len(mine) == st.hi - st.lo
+    assert [r for r in put.ranges if r[1] == 0] == [(i, 0, HEADER_SIZE) for i in
+                                                     range(len(put.views))]
