@@ -42,8 +42,9 @@ class UpConfig:
     decode: int = 1
     prefill_group_size: int = 1
     """Prefill instances per pipeline group: consecutive instances form groups g0, g1, ...,
-    each instance one stage (`--pipeline-stage`) passing hidden states to the next; only each
-    group's stage 0 (its leader) is given to the Conductor. 1: every instance on its own."""
+    each instance one stage (`--pipeline-stage`) passing hidden states to the next. The
+    Conductor polls every stage but routes only to leaders (stage 0) of whole groups. 1: every
+    instance on its own."""
     store_size: int = 1 << 30
     decode_segment_size: int = 256 << 20
     prefill_segment_size: int = 256 << 20
@@ -112,12 +113,6 @@ def stage_args(index: int, group_size: int, host: str, ports: list[int]) -> list
     if stage < group_size - 1:
         args += ["--pipeline-next", f"{host}:{ports[index + 1]}"]
     return args
-
-
-def leaders(ports: list[int], group_size: int) -> list[int]:
-    """The prefill ports the Conductor routes to: each group's stage 0 (every instance when
-    G is 1). Stages > 0 are reached only through their leader."""
-    return ports[::group_size]
 
 
 class LocalCluster:
@@ -225,8 +220,10 @@ class LocalCluster:
         # Its /metrics also on the API port (loopback by default): `bench/serve` scrapes there.
         cport = free_service_port(h)
         args = ["conductor", "--host", h, "--port", str(self.port), "--master", self.master,
-                "--prefill", ",".join(f"{h}:{p}" for p in leaders(self.prefill_ports,
-                                                                   c.prefill_group_size)),
+                # Every stage, not only leaders: the Conductor routes to leaders of whole groups
+                # only, and a stage it polls that stops answering takes its group out of
+                # rotation before the leader's own check notices (as pod DNS lists them all).
+                "--prefill", ",".join(f"{h}:{p}" for p in self.prefill_ports),
                 "--decode", ",".join(f"{h}:{p}" for p in self.decode_ports),
                 "--metrics-port", str(cport), "--metrics-on-api-port", *self._model_args()]
         if c.api_keys_file:

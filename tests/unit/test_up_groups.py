@@ -1,7 +1,7 @@
 """`mooncake up --prefill N --prefill-group-size G`: which arguments are refused (before any
-process starts), which pipeline flags each prefill instance gets, which instances the
-Conductor is told about, and that the real `mooncake prefill` command parses those flags into
-the stage they describe (and the Kubernetes form `{group}`/`{index}`/`auto` likewise).
+process starts), which pipeline flags each prefill instance gets, and that the real `mooncake
+prefill` command parses those flags into the stage they describe (and the Kubernetes form
+`{group}`/`{index}`/`auto` likewise).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from mooncake_k8s.cli import main
 from mooncake_k8s.cli.serving import _pipeline, prefill
-from mooncake_k8s.up import LocalCluster, UpConfig, group_problem, leaders, stage_args
+from mooncake_k8s.up import LocalCluster, UpConfig, group_problem, stage_args
 
 PORTS = [5001, 5002, 5003, 5004]
 
@@ -67,12 +67,6 @@ def test_consecutive_instances_form_groups_and_chain_to_the_next_port() -> None:
         ["--pipeline-group", "g1", "--pipeline-group-size", "2", "--pipeline-stage", "1"],
     ]
     assert stage_args(0, 1, "127.0.0.1", PORTS) == []  # single instances: no flags
-
-
-def test_only_leaders_are_conductor_targets() -> None:
-    assert leaders(PORTS, 2) == [5001, 5003]
-    assert leaders(PORTS, 4) == [5001]
-    assert leaders(PORTS, 1) == PORTS
 
 
 def _parsed(args: list[str]) -> dict[str, object]:
