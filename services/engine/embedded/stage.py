@@ -264,7 +264,14 @@ class EmbeddedStage:
             raise InvalidArgument(f"the work has {len(work.token_ids)} tokens, the prompt {p.n}")
         p.put = self._open(p, first_block,
                            lambda first, views, tail: self._put_factory(work, first, views, tail))
-        return b"" if p.put is None else p.put.plan()
+        if p.put is None:
+            return b""
+        try:
+            return p.put.plan()
+        except BaseException:  # no space: nothing was leased, nothing will be stored
+            p.put.abort()
+            p.put = None
+            raise
 
     def open_writer(self, first_block: int, plan: bytes) -> None:
         """A later stage: write this stage's layers of the new objects where `plan` (the

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from mooncake_k8s.common.blocks import HEADER_SIZE
-from mooncake_k8s.common.errors import InvalidArgument
+from mooncake_k8s.common.errors import InvalidArgument, ObjectExists
 from mooncake_k8s.common.rpc import serving_pb2 as pb
-from mooncake_k8s.engine.api import KVPlan, PrefillWork
+from mooncake_k8s.engine.api import EngineFailed, KVPlan, PrefillDone, PrefillWork
 from mooncake_k8s.engine.embedded import Engine
 from mooncake_k8s.engine.embedded.stage import EmbeddedStage, stage_layers
 from mooncake_k8s.engine.embedded.testing import GREEDY, prompt_tokens
@@ -40,6 +40,7 @@ class Board:
     def make_put(self, work: PrefillWork, first: int, views: Sequence[memoryview],
                  tail: bool) -> MemPut:
         self.put = MemPut(self, views, tail)
+        self.writers = []  # a new prompt: the other stages open theirs after this
         return self.put
 
     def make_writer(self, plan: bytes, views: Sequence[memoryview]) -> MemWriter:
@@ -113,18 +114,32 @@ class MemWriter:
         self.aborted = True
 
 
-def make_group(engine: Engine, size: int, board: Board, store: Any = None) -> list[EmbeddedStage]:
+NO_STORE: Any = None
+"""These stages read no blocks (no reuse) and write through the board: no store needed."""
+
+
+def make_group(engine: Engine, size: int, board: Board,
+               store: Any = NO_STORE) -> list[EmbeddedStage]:
     return [EmbeddedStage(engine, store, s, size, put_factory=board.make_put,
                           writer_factory=board.make_writer) for s in range(size)]
 
 
-def work_for(engine: Engine, rid: str, ids: list[int], reuse: int = 0) -> PrefillWork:
-    plan = KVPlan(tuple(engine.block_keys(ids)), local_blocks=reuse)
-    return PrefillWork(rid, ids, "", pb.Sampling(temperature=0, max_tokens=20), plan)
+def work_for(engine: Engine, rid: str, ids: list[int], reuse: int = 0,
+             max_tokens: int = 20, **plan: Any) -> PrefillWork:
+    kv = KVPlan(tuple(engine.block_keys(ids)), local_blocks=reuse, **plan)
+    return PrefillWork(rid, ids, "", pb.Sampling(temperature=0, max_tokens=max_tokens), kv)
+
+
+def wire(stages: list[EmbeddedStage], i: int, hidden: torch.Tensor | None,
+         tokens: int) -> torch.Tensor | None:
+    """Stage i-1's output as stage i receives it: raw bytes, rebuilt."""
+    if hidden is None:
+        return None
+    return stages[i].hidden_from_bytes(bytes(stages[i - 1].hidden_view(hidden)), tokens)
 
 
 def run_group(stages: list[EmbeddedStage], work: PrefillWork, chunk: int,
-              reuse_keys: Sequence[str] = ()) -> Any:
+              reuse_keys: Sequence[str] = (), fail: Sequence[int] = ()) -> PrefillDone:
     """What the runtime does, in one thread: begin everywhere, agree on the start, open the
     KV writes, push each pipeline chunk through every stage (hidden states as bytes)."""
     ids, rid = work.token_ids, work.request_id
@@ -138,24 +153,22 @@ def run_group(stages: list[EmbeddedStage], work: PrefillWork, chunk: int,
     last: torch.Tensor | None = None
     for s in range(first * bt, n, chunk):
         e = min(n, s + chunk)
-        hidden = None
+        hidden: torch.Tensor | None = None
         for i, st in enumerate(stages):
-            wire = None if hidden is None else bytes(stages[i - 1].hidden_view(hidden))
-            x = None if wire is None else st.hidden_from_bytes(wire, e - s)
-            hidden = st.forward(s, e, x)
+            hidden = st.forward(s, e, wire(stages, i, hidden, e - s))
             assert hidden.shape == (e - s, st.hidden_size) and hidden.is_contiguous()
         assert hidden is not None
         last = hidden[-1:]
     if leader.needs_last_token_pass():
         last = None
-        for st in stages:
-            last = st.last_token_pass(last)
+        for i, st in enumerate(stages):
+            last = st.last_token_pass(wire(stages, i, last, 1))
     failed: list[int] = []
     for st in stages[1:]:
         f, _ = st.end_writes()
         failed += f
     assert last is not None
-    return leader.complete(work, last, [(st.lo, st.hi) for st in stages[1:]], failed)
+    return leader.complete(work, last, [(st.lo, st.hi) for st in stages[1:]], [*failed, *fail])
 
 
 def test_stage_layers_are_balanced_and_contiguous() -> None:
@@ -219,3 +232,108 @@ def test_a_group_computes_the_single_instance_bits(
             assert mine[-1][1] == HEADER_SIZE + st.hi * step[i] and len(mine) == st.hi - st.lo
     assert [r for r in put.ranges if r[1] == 0] == [(i, 0, HEADER_SIZE) for i in
                                                      range(len(put.views))]
+
+
+def test_a_request_finished_at_its_first_token_stores_no_tail(engine: Engine) -> None:
+    ids = prompt_tokens(engine, 150, variant=2)
+    board = Board()
+    done = run_group(make_group(engine, 2, board), work_for(engine, "f", ids, max_tokens=1), 64)
+    assert done.finished and done.finish_reason == "length" and done.tail_key == ""
+    assert board.put is not None and list(board.put.skipped) == [2]
+    assert done.stored_blocks == 2
+
+
+def test_a_stage_that_could_not_write_fails_the_prompt_retriably(engine: Engine) -> None:
+    ids = prompt_tokens(engine, 150, variant=3)
+    board = Board()
+    board.fail_writes = {1}
+    stages = make_group(engine, 3, board)
+    with pytest.raises(EngineFailed, match=r"could not store their layers of KV objects \[1\]"):
+        run_group(stages, work_for(engine, "w", ids), 64)
+    assert board.put is not None and board.put.aborted and not board.put.committed
+    # the prompt is gone everywhere it ended; a new one starts cleanly on every stage
+    with pytest.raises(InvalidArgument, match="has no prompt"):
+        stages[0].forward(0, 64, None)
+    board.fail_writes = set()
+    assert run_group(stages, work_for(engine, "w2", ids), 64).first_token == single(engine, ids)[0]
+
+
+def test_layers_that_cannot_be_read_back_fail_the_prompt(engine: Engine) -> None:
+    ids = prompt_tokens(engine, 100, variant=4)
+    board = Board()
+    board.fail_fill = True
+    with pytest.raises(EngineFailed, match="reading the other stages' KV layers back"):
+        run_group(make_group(engine, 2, board), work_for(engine, "r", ids), 64)
+    assert board.put is not None and board.put.aborted and not board.put.committed
+
+
+def test_objects_the_store_refused_fail_the_prompt_but_existing_ones_do_not(
+        engine: Engine) -> None:
+    ids = prompt_tokens(engine, 130, variant=5)  # 2 blocks + a tail
+    board = Board()
+    board.results = [ObjectExists("stored by another prefill"), None, None]
+    done = run_group(make_group(engine, 2, board), work_for(engine, "e", ids), 64)
+    assert done.stored_blocks == 1 and done.tail_key == "tail/e"
+    board.results = [None, StreamFailed("lease expired"), None]
+    with pytest.raises(EngineFailed, match="storing 1 of 3 new KV objects failed"):
+        run_group(make_group(engine, 2, board), work_for(engine, "e2", ids), 64)
+
+
+def test_bad_calls_get_clear_errors(engine: Engine) -> None:
+    ids = prompt_tokens(engine, 200, variant=6)
+    board = Board()
+    s0, s1 = make_group(engine, 2, board)
+    with pytest.raises(InvalidArgument, match="has no prompt"):
+        s1.forward(0, 64, None)
+    for st in (s0, s1):
+        assert st.begin("b", ids, []) == 0
+    with pytest.raises(InvalidArgument, match="open_put is the leader's; this is stage 1"):
+        s1.open_put(work_for(engine, "b", ids), 0)
+    with pytest.raises(InvalidArgument, match="not open_writer"):
+        s0.open_writer(0, b"mem-plan")
+    with pytest.raises(InvalidArgument, match="holds the KV of 0 leading blocks only"):
+        s0.open_put(work_for(engine, "b", ids), 1)
+    with pytest.raises(InvalidArgument, match="the work has 199 tokens, the prompt 200"):
+        s0.open_put(work_for(engine, "b", ids[:-1]), 0)
+    plan = s0.open_put(work_for(engine, "b", ids), 0)
+    with pytest.raises(InvalidArgument, match="no KV plan for the new blocks from block 0"):
+        s1.open_writer(0, b"")
+    s1.open_writer(0, plan)
+    with pytest.raises(InvalidArgument, match="takes no hidden states"):
+        s0.forward(0, 64, torch.zeros(64, s0.hidden_size, dtype=s0.dtype))
+    h = s0.forward(0, 64, None)
+    with pytest.raises(InvalidArgument, match="computes from position 64 next"):
+        s0.forward(0, 64, None)
+    with pytest.raises(InvalidArgument, match="must end at a multiple of the compute chunk"):
+        s0.forward(64, 100, None)
+    with pytest.raises(InvalidArgument, match="needs the previous stage's hidden states"):
+        s1.forward(0, 64, None)
+    with pytest.raises(InvalidArgument, match=r"hidden states must be \[64, 576\] torch.float32, "
+                       r"got \[32, 576\] torch.float32"):
+        s1.forward(0, 64, h[:32])
+    with pytest.raises(InvalidArgument, match=r"got \[64, 576\] torch.float16"):
+        s1.forward(0, 64, h.half())
+    with pytest.raises(InvalidArgument, match="of 64 tokens are 147456 bytes"):
+        s1.hidden_from_bytes(bytes(100), 64)
+    with pytest.raises(InvalidArgument, match="not a block multiple"):
+        s1.last_token_pass(h[-1:])
+    with pytest.raises(InvalidArgument, match="computed positions up to 64 of 200"):
+        s0.complete(work_for(engine, "b", ids), h[-1:], [(15, 30)], [])
+    s1.forward(0, 64, h)  # the good calls still work after the refused ones
+    out = s1.forward(64, 200, s0.forward(64, 200, None))
+    work = work_for(engine, "b", ids)
+    with pytest.raises(InvalidArgument, match=r"layer ranges \[\(10, 30\)\] and \[0, 15\) "
+                       "do not tile"):
+        s0.complete(work, out[-1:], [(10, 30)], [])
+    with pytest.raises(InvalidArgument, match="layer ranges end at layer 20"):
+        s0.complete(work, out[-1:], [(15, 20)], [])
+    with pytest.raises(InvalidArgument, match=r"last hidden state must be \[1, 576\]"):
+        s0.complete(work, out, [(15, 30)], [])
+    assert board.put is not None and board.put.aborted  # a failed complete drops the prompt
+    with pytest.raises(InvalidArgument, match="has no prompt"):
+        s0.complete(work, out[-1:], [(15, 30)], [])
+    s1.abort()
+    s1.abort()  # idempotent
+    assert board.writers[0].aborted
+    with pytest.raises(InvalidArgument, match=r"pipeline stage 2 is not in \[0, 2\)"):
+        EmbeddedStage(engine, NO_STORE, 2, 2)
