@@ -3,15 +3,16 @@ of 2 or 3 `EmbeddedStage`s, run chunk by chunk as the runtime does (hidden state
 raw bytes), gives the single instance's first token and byte-identical KV blocks, cold and
 from imported blocks, with pipeline chunks of one and of several compute chunks.
 
-Here the KV goes to in-memory stand-ins of the store's streamed put and plan writer (a
+First the KV goes to in-memory stand-ins of the store's streamed put and plan writer (a
 `Board` that records each stage's byte ranges and lets the leader read the others' back),
-so the engine's side is checked on its own; `test_stage_store.py` runs it against a real
-store."""
+so the engine's side is checked on its own (failures included); then against a real store
+(master and nodes on loopback): the blocks a group stores are the single instance's, each
+reuses what the other stored, and an object a stage could not write is never committed."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -20,11 +21,14 @@ import torch
 from mooncake_k8s.common.blocks import HEADER_SIZE
 from mooncake_k8s.common.errors import InvalidArgument, ObjectExists
 from mooncake_k8s.common.rpc import serving_pb2 as pb
+from mooncake_k8s.common.rpc import store_pb2 as spb
 from mooncake_k8s.engine.api import EngineFailed, KVPlan, PrefillDone, PrefillWork
 from mooncake_k8s.engine.embedded import Engine
 from mooncake_k8s.engine.embedded.stage import EmbeddedStage, stage_layers
 from mooncake_k8s.engine.embedded.testing import GREEDY, prompt_tokens
+from mooncake_k8s.store.client.client import StoreClient
 from mooncake_k8s.store.client.streamput import StreamFailed
+from mooncake_k8s.store.testing import StoreCluster, store_cluster
 
 
 class Board:
@@ -125,9 +129,10 @@ def make_group(engine: Engine, size: int, board: Board,
 
 
 def work_for(engine: Engine, rid: str, ids: list[int], reuse: int = 0,
-             max_tokens: int = 20, **plan: Any) -> PrefillWork:
-    kv = KVPlan(tuple(engine.block_keys(ids)), local_blocks=reuse, **plan)
-    return PrefillWork(rid, ids, "", pb.Sampling(temperature=0, max_tokens=max_tokens), kv)
+             max_tokens: int = 20, tenant: str = "", **plan: Any) -> PrefillWork:
+    """The work for a prompt; `tenant` salts its keys (a store test's own namespace)."""
+    kv = KVPlan(tuple(engine.block_keys(ids, tenant)), local_blocks=reuse, **plan)
+    return PrefillWork(rid, ids, tenant, pb.Sampling(temperature=0, max_tokens=max_tokens), kv)
 
 
 def wire(stages: list[EmbeddedStage], i: int, hidden: torch.Tensor | None,
@@ -337,3 +342,96 @@ def test_bad_calls_get_clear_errors(engine: Engine) -> None:
     assert board.writers[0].aborted
     with pytest.raises(InvalidArgument, match=r"pipeline stage 2 is not in \[0, 2\)"):
         EmbeddedStage(engine, NO_STORE, 2, 2)
+
+
+# -- against a real store ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[StoreCluster]:
+    with store_cluster(nodes=2, dram_size="128MiB") as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def clients(store: StoreCluster) -> Iterator[list[StoreClient]]:
+    """One client a stage (each stage is its own process in a group)."""
+    made = [store.client() for _ in range(3)]
+    yield made
+    for c in made:
+        c.close()
+
+
+def segments(client: StoreClient) -> tuple[str, str]:
+    home, write = (s.name for s in sorted(client.stats().segments, key=lambda s: s.node_id))
+    return home, write
+
+
+def store_group(engine: Engine, size: int, clients: list[StoreClient]) -> list[EmbeddedStage]:
+    return [EmbeddedStage(engine, clients[s], s, size) for s in range(size)]
+
+
+def test_a_group_stores_the_blocks_a_single_instance_would(
+        engine: Engine, clients: list[StoreClient]) -> None:
+    client = clients[0]
+    home, write = segments(client)
+    ids = prompt_tokens(engine, 5 * 64 + 20, variant=11)
+    token, objs = single(engine, ids)
+    work = work_for(engine, "sg", ids, tenant="sg", home_segment=home, write_segment=write)
+    done = run_group(store_group(engine, 2, clients), work, 128)
+    assert (done.first_token, done.stored_blocks, done.tail_key) == (token, 5, "tail/sg")
+    keys = [*work.plan.keys, done.tail_key]
+    assert [bytes(client.get(k)) for k in keys] == objs
+    got = client._call("GetReplicas", spb.GetReplicasRequest(keys=keys)).objects
+    assert [sorted(r.segment for r in o.replicas) for o in got] == \
+        [sorted([home, write])] * 5 + [[write]]
+    # the group's prefix is reused whole by a single instance
+    again = engine.prefill(ids, [client.get(k) for k in work.plan.keys[:4]], GREEDY)
+    assert (again.first_token, again.rejected_blocks, again.cached_tokens) == (token, 0, 4 * 64)
+
+
+@pytest.mark.parametrize(("n", "reuse", "size", "chunk"), [
+    (700, 3, 3, 256),     # 3 blocks from the store, the rest computed
+    (4 * 64, 4, 2, 64),   # a full hit: only the one-token pass runs, through every stage
+])
+def test_a_group_reuses_a_single_instances_blocks(
+        engine: Engine, clients: list[StoreClient], n: int, reuse: int, size: int,
+        chunk: int) -> None:
+    client = clients[0]
+    ids = prompt_tokens(engine, n, variant=12 + n)
+    cold = engine.prefill(ids, [], GREEDY)
+    work = work_for(engine, f"r{n}", ids, reuse, tenant=f"r{n}")
+    keys = work.plan.keys
+    client.batch_put(keys[:reuse], [b for _, b in cold.new_blocks[:reuse]])
+    token, objs = single(engine, ids, [client.get(k) for k in keys[:reuse]])
+    done = run_group(store_group(engine, size, clients), work, chunk, keys[:reuse])
+    assert done.first_token == token == cold.first_token
+    assert (done.cached_tokens, done.imported_blocks) == (min(reuse * 64, n - 1), reuse)
+    new = [*keys[reuse:], *([done.tail_key] if n % 64 else [])]
+    assert [bytes(client.get(k)) for k in new] == objs
+
+
+def test_the_group_computes_from_the_shortest_verified_prefix(
+        engine: Engine, clients: list[StoreClient]) -> None:
+    ids = prompt_tokens(engine, 300, variant=13)
+    keys = engine.block_keys(ids, "v")
+    cold = engine.prefill(ids, [], GREEDY)
+    clients[0].batch_put(keys[:3], [b for _, b in cold.new_blocks[:3]])
+    s0, s1 = store_group(engine, 2, clients)
+    assert s0.begin("v", ids, keys[:4]) == 3  # the 4th is not stored: the read ends there
+    assert s1.begin("v", ids, keys[:3]) == 3
+    assert s0.recompute_from([3, 2]) == 2
+    s0.abort()
+    s1.abort()
+
+
+def test_an_object_a_stage_could_not_write_is_never_committed(
+        engine: Engine, clients: list[StoreClient]) -> None:
+    client = clients[0]
+    home, write = segments(client)
+    ids = prompt_tokens(engine, 2 * 64 + 5, variant=14)
+    work = work_for(engine, "nc", ids, tenant="nc", home_segment=home, write_segment=write)
+    with pytest.raises(EngineFailed, match=r"KV objects \[1\] of 3"):
+        run_group(store_group(engine, 2, clients), work, 64, fail=[1])
+    # nothing committed, not even the objects every stage wrote
+    assert client.exists([*work.plan.keys, "tail/nc"]) == [False, False, False]
