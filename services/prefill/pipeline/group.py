@@ -102,6 +102,8 @@ class StageRuntime:
         self.metrics = StageMetrics(worker.registry)
         self.stage: Any = None
         """The engine's `EmbeddedStage` once the model is loaded."""
+        self.adapter: Any = None
+        """The worker's embedded engine (set before the worker's own `engine`)."""
         self.inbox: Inbox | None = None
         self.lock = threading.Lock()
         """One prompt at a time through this stage."""
@@ -118,10 +120,9 @@ class StageRuntime:
 
     def on_engine_loaded(self, adapter: Any) -> None:
         """Build the engine stage and (stages > 0) the inbox; the leader starts its checks."""
-        from mooncake_k8s.engine.embedded.stage import (  # type: ignore[import-not-found, unused-ignore]
-            EmbeddedStage,
-        )
+        from mooncake_k8s.engine.embedded.stage import EmbeddedStage
 
+        self.adapter = adapter
         engine = adapter.engine
         if self.chunk_tokens % engine.chunk_tokens:
             raise ValueError(f"--pipeline-chunk-tokens {self.chunk_tokens} is not a multiple "
@@ -139,11 +140,11 @@ class StageRuntime:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.worker.loaded().engine.model.dtype  # type: ignore[attr-defined, no-any-return]
+        return self.adapter.engine.model.dtype  # type: ignore[no-any-return]
 
     @property
     def num_layers(self) -> int:
-        return int(self.worker.loaded().engine.model.num_layers)  # type: ignore[attr-defined]
+        return int(self.adapter.engine.model.num_layers)
 
     def layers(self, stage: int) -> tuple[int, int]:
         return stage_layers(self.num_layers, self.size, stage)
@@ -158,7 +159,7 @@ class StageRuntime:
     # -- the chain ---------------------------------------------------------------------------
 
     def hello_request(self, stage: int) -> pb.StageHello:
-        info = self.worker.loaded().info
+        info = self.adapter.info
         return pb.StageHello(group=self.group, group_size=self.size, stage=stage,
                              model_fingerprint=info.fingerprint,
                              revision=self.worker.config.revision, num_layers=self.num_layers)
@@ -217,7 +218,11 @@ class StageRuntime:
         while not self._stop.wait(0 if not self.whole else HEALTH_INTERVAL_S):
             if self.worker.draining.is_set():
                 return
-            reply = self.hello_next()
+            try:
+                reply = self.hello_next()
+            except Exception as e:  # never let the check die: the group would stay as it is
+                log.exception("pipeline health check failed")
+                reply = pb.StageHelloReply(ok=False, problem=f"{type(e).__name__}: {e}")
             self._set_whole(reply.ok, reply.problem)
             if not reply.ok:
                 self._stop.wait(HEALTH_INTERVAL_S)

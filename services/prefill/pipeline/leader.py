@@ -14,7 +14,6 @@ other stages' byte ranges read back, headers, commit). Any failure of another st
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 
@@ -88,9 +87,8 @@ class Leader:
         keep_on = plan.home_segment if plan.keep_fetched else ""
         with tracing.span("prefill.group.load_kv", reuse_blocks=len(reuse)):
             verified = stage.begin(work.request_id, work.token_ids, reuse, keep_on)
-            verified = min(verified, down.wait_begun())
-        start = self._start(verified, len(work.token_ids))
-        first_block = start // rt.worker.loaded().info.block_tokens
+            first_block = stage.recompute_from([verified, down.wait_begun()])
+        start = first_block * rt.adapter.info.block_tokens
         put_plan = stage.open_put(work, first_block)
         down.start(pb.StageStart(start=start, first_block=first_block, put_plan=put_plan))
         t1 = time.monotonic()
@@ -113,20 +111,11 @@ class Leader:
         ranges = list(zip(result.layer_ranges[::2], result.layer_ranges[1::2], strict=True))
         with tracing.span("prefill.group.store_kv"):
             done = stage.complete(work, last, ranges, list(result.failed_objects))
-        mine.kv_bytes = int(getattr(done, "kv_bytes", 0))
+        mine.kv_bytes = int(stage.kv_bytes)
         rt.metrics.account(mine)
         done.load_s, done.compute_s = t1 - t0, t2 - t1
         done.store_s = time.monotonic() - t2
         return done, [mine, *result.stages]
-
-    def _start(self, verified_blocks: int, n: int) -> int:
-        """Where the group recomputes: the shortest verified prefix, at a compute-chunk
-        boundary (a whole block-multiple prompt still runs its one-token pass)."""
-        info = self.rt.worker.loaded().info
-        engine: Any = self.rt.worker.loaded()
-        compute = int(engine.engine.chunk_tokens)
-        start = verified_blocks * info.block_tokens
-        return min(start // compute * compute, n)
 
 
 def _dtype(name: str, default: torch.dtype) -> torch.dtype:

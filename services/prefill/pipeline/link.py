@@ -164,7 +164,11 @@ class Downstream:
     def finish(self) -> pb.StageResult:
         """End the prompt's input and wait for the next stage's result."""
         self._check()
-        self._outgoing.put(_CLOSE)  # after every queued chunk
+        try:
+            self._outgoing.put(_CLOSE, timeout=self._timeout)  # after every queued chunk
+        except queue.Full:
+            raise StageFailed(f"stage at {self.address} took no chunk for {self._timeout:g} s",
+                              "timeout") from None
         self._sender.join(self._timeout)
         self._check()
         self._requests.put(pb.StageMessage(end=pb.StageEnd()))

@@ -60,11 +60,11 @@ class StageServicer(pb_grpc.PrefillStageServicer):
 
     def _mismatch(self, req: pb.StageHello) -> str:
         rt = self.rt
-        if rt.worker.engine is None or rt.stage is None:
+        if rt.adapter is None or rt.stage is None:
             return "the model is still loading"
         if rt.worker.draining.is_set():
             return "draining"
-        info = rt.worker.engine.info
+        info = rt.adapter.info
         for what, theirs, ours in (
                 ("group", req.group, rt.group), ("group size", req.group_size, rt.size),
                 ("stage index", req.stage, rt.index),
