@@ -29,6 +29,7 @@ from mooncake_k8s.common.auth import call_metadata
 from mooncake_k8s.common.netutil import free_port
 from mooncake_k8s.common.procs import Proc
 from mooncake_k8s.common.rpc import serving_pb2 as pb
+from mooncake_k8s.common.rpc import serving_pb2_grpc as pb_grpc
 from mooncake_k8s.engine.api import EngineInfo
 from mooncake_k8s.store.testing import StoreCluster, metric_value
 from mooncake_k8s.testbed.cluster import http_ok
@@ -193,33 +194,94 @@ def test_a_later_stage_refuses_prefill_naming_the_leader(bed: Bed) -> None:
     assert (rep.pipeline_group, rep.pipeline_stage, rep.pipeline_group_size) == ("g0", 1, 2)
 
 
-def test_a_killed_stage_fails_the_prompt_and_the_group_until_it_is_back(bed: Bed) -> None:
-    outcome: dict[str, object] = {}
+def test_hello_checks_the_callers_view_of_the_group(bed: Bed) -> None:
+    """Stage 1 answers the handshake only for its own group, index, model and revision (with
+    its layers and inbox), and only with the cluster token."""
+    rep = bed.load("s0")
+    good = pb.StageHello(group="g0", group_size=2, stage=1, model_fingerprint=rep.model_fingerprint,
+                         revision="", num_layers=30)
+    with grpc.insecure_channel(f"127.0.0.1:{bed.ports['s1']}") as ch:
+        hello = pb_grpc.PrefillStageStub(ch).Hello  # type: ignore[no-untyped-call]
+        ok = hello(good, metadata=call_metadata(TOKEN), timeout=10)
+        assert ok.ok and (ok.layer_lo, ok.layer_hi) == (15, 30) and ok.slots > 0
+        assert ok.inbox_segment and ok.inbox_address and not ok.problem
+        for field, value, needle in (("revision", "r2", "revision"),
+                                     ("stage", 0, "stage index"),
+                                     ("group", "g1", "group"),
+                                     ("model_fingerprint", "00", "model fingerprint")):
+            wrong = pb.StageHello()
+            wrong.CopyFrom(good)
+            setattr(wrong, field, value)
+            got = hello(wrong, metadata=call_metadata(TOKEN), timeout=10)
+            assert not got.ok and needle in got.problem and "stage 1" in got.problem, got
+        with pytest.raises(grpc.RpcError) as e:
+            hello(good, timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
-    def call() -> None:
+
+class _Call(threading.Thread):
+    """A long prompt through the group, in the background; started once stage 1 has taken
+    hidden states of it (the prompt is mid-pipeline)."""
+
+    def __init__(self, bed: Bed, tenant: str) -> None:
+        super().__init__(daemon=True)
+        self.bed, self.tenant = bed, tenant
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+
+    def run(self) -> None:
         try:
-            outcome["resp"] = bed.prefill("s0", LONG * 3, tenant="kill", cache=False,
-                                          rid="killed")
+            self.bed.prefill("s0", LONG * 3, tenant=self.tenant, cache=False)
         except grpc.RpcError as e:
-            outcome["code"], outcome["details"] = e.code(), e.details()
+            self.code, self.details = e.code(), e.details() or ""
 
-    s1 = bed.procs["s1"]
-    before = metric_value(s1.metrics(), "mooncake_prefill_stage_bytes_total",
-                          'direction="in"')
-    t = threading.Thread(target=call)
-    t.start()
-    deadline = time.monotonic() + 120
-    while metric_value(s1.metrics(), "mooncake_prefill_stage_bytes_total",
-                       'direction="in"') <= before:  # the prompt is in stage 1
-        assert time.monotonic() < deadline and t.is_alive(), outcome
-        time.sleep(0.02)
-    bed.store.kill(s1)
-    t.join(120)  # a hang guard only: the leader's bound is the stage timeout
-    assert not t.is_alive()
-    assert outcome.get("code") == grpc.StatusCode.UNAVAILABLE, outcome
+    def start_mid_prompt(self) -> None:
+        s1 = self.bed.procs["s1"]
+        before = _bytes_in(s1)
+        self.start()
+        deadline = time.monotonic() + 120
+        while _bytes_in(s1) <= before:
+            assert time.monotonic() < deadline and self.is_alive(), (self.code, self.details)
+            time.sleep(0.02)
+
+    def outcome(self) -> tuple[grpc.StatusCode | None, str]:
+        self.join(120)  # a hang guard only: the leader's bound is the stage timeout
+        assert not self.is_alive(), "the leader's call hung"
+        return self.code, self.details
+
+
+def _bytes_in(p: Proc) -> float:
+    return metric_value(p.metrics(), "mooncake_prefill_stage_bytes_total", 'direction="in"')
+
+
+def _back_in_rotation(bed: Bed) -> None:
+    bed.wait_whole(True)
+    assert bed.prefill("s0", SHORT, tenant="back").first_token == bed.prefill(
+        "single", SHORT, tenant="back-ref", cache=False).first_token
+
+
+def test_a_silent_stage_fails_the_prompt_within_the_stage_timeout(bed: Bed) -> None:
+    """SIGSTOP: alive to the kernel, silent to everyone (a partition, a hung host)."""
+    call = _Call(bed, "paused")
+    call.start_mid_prompt()
+    bed.store.pause(bed.procs["s1"])
+    try:
+        code, details = call.outcome()
+        assert code == grpc.StatusCode.UNAVAILABLE, details
+        assert "said nothing" in details or "freed no inbox slot" in details, details
+        assert not bed.load("s0").pipeline_whole
+    finally:
+        bed.store.resume(bed.procs["s1"])
+    _back_in_rotation(bed)
+
+
+def test_a_killed_stage_fails_the_prompt_and_the_group_until_it_is_back(bed: Bed) -> None:
+    call = _Call(bed, "killed")
+    call.start_mid_prompt()
+    bed.store.kill(bed.procs["s1"])
+    code, details = call.outcome()
+    assert code == grpc.StatusCode.UNAVAILABLE, details
     assert not bed.load("s0").pipeline_whole
     bed.start("s1")  # the same id and port
     bed.wait_ready("s1")
-    bed.wait_whole(True)
-    assert bed.prefill("s0", SHORT, tenant="after-restart").first_token == bed.prefill(
-        "single", SHORT, tenant="after-restart-ref", cache=False).first_token
+    _back_in_rotation(bed)
