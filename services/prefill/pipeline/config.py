@@ -85,9 +85,7 @@ def check_pipeline(*, group: str, group_size: int, stage: int, next_addr: str,
         return
     if engine_kind != "embedded":
         raise InvalidArgument(EMBEDDED_ONLY.format(kind=engine_kind))
-    if not group:
-        raise InvalidArgument("--pipeline-group-size > 1 needs --pipeline-group (the group's "
-                              "name)")
+    _check_group(group)
     if stage >= group_size:
         raise InvalidArgument(f"--pipeline-stage {stage} must be below --pipeline-group-size "
                               f"{group_size}")
@@ -95,6 +93,15 @@ def check_pipeline(*, group: str, group_size: int, stage: int, next_addr: str,
         raise InvalidArgument(f"--pipeline-next is required on stage {stage} of "
                               f"{group_size} (every stage but the last): the next stage's "
                               "gRPC address")
+
+
+def _check_group(group: str) -> None:
+    """The group's name: given, and usable in a segment name (its stages' inboxes)."""
+    if not group:
+        raise InvalidArgument("--pipeline-group-size > 1 needs --pipeline-group (the group's "
+                              "name)")
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,40}", group):
+        raise InvalidArgument(f"--pipeline-group must be 1-40 of [A-Za-z0-9._-], got {group!r}")
 
 
 def stage_layers(num_layers: int, group_size: int, stage: int) -> tuple[int, int]:

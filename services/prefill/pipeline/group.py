@@ -130,7 +130,8 @@ class StageRuntime:
         self.stage = EmbeddedStage(engine, self.worker.store, self.index, self.size)
         if self.index > 0:
             cfg = self.worker.config
-            name = f"pipe-{self.group}-{self.index}-{cfg.instance_id}"[:100]
+            # Unique on the host as the worker's own segment is: instance and gRPC port.
+            name = f"pipe-{self.group}-{self.index}-{cfg.instance_id}-{self.worker.port}"[-100:]
             self.inbox = Inbox(name, DEFAULT_SLOTS, self.stage.hidden_bytes(self.chunk_tokens),
                                host=cfg.host, advertise_host=cfg.advertise_host,
                                token=cfg.token, host_id=self.worker.host_id)

@@ -82,10 +82,19 @@ class StageServicer(pb_grpc.PrefillStageServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"stage {rt.index} of group {rt.group!r} takes no Run stream "
                           "(the leader, or still loading)")
-        if not rt.lock.acquire(timeout=rt.timeout_s):
-            context.abort(grpc.StatusCode.UNAVAILABLE,
-                          f"stage {rt.index} is busy with another prompt")
-        run = _StageRun(rt, request_iterator)
+        rt.worker.admit(context)  # counted in flight: a draining stage finishes the prompt
+        try:
+            if not rt.lock.acquire(timeout=rt.timeout_s):
+                context.abort(grpc.StatusCode.UNAVAILABLE,
+                              f"stage {rt.index} is busy with another prompt")
+            yield from self._serve(_StageRun(rt, request_iterator), context)
+        finally:
+            rt.worker.release()
+
+    def _serve(self, run: _StageRun,
+               context: grpc.ServicerContext) -> Iterator[pb.StageEvent]:
+        """Stream the prompt's events back while its thread computes it."""
+        rt = self.rt
         context.add_callback(run.hang_up)
         threading.Thread(target=run.main, name="stage-run", daemon=True).start()
         try:

@@ -35,6 +35,8 @@ def _refused(*args: str, env: dict[str, str] | None = None) -> str:
       "--pipeline-chunk-tokens", "0"], "positive multiple"),
     (["--pipeline-group-size", "2", "--pipeline-stage", "1"], "needs --pipeline-group"),
     (["--pipeline-stage", "x"], "non-negative integer or 'auto'"),
+    (["--pipeline-group", "g/0", "--pipeline-group-size", "2", "--pipeline-stage", "1"],
+     "--pipeline-group must be 1-40 of [A-Za-z0-9._-]"),
     (["--pipeline-stage", "1"], "needs --pipeline-group-size > 1"),
 ])
 def test_bad_pipeline_flags_are_refused_by_name(args: list[str], needle: str) -> None:
