@@ -285,3 +285,24 @@ def test_a_killed_stage_fails_the_prompt_and_the_group_until_it_is_back(bed: Bed
     bed.start("s1")  # the same id and port
     bed.wait_ready("s1")
     _back_in_rotation(bed)
+
+
+def test_a_stage_whose_leader_dies_mid_prompt_drops_the_prompt(bed: Bed) -> None:
+    """The upstream's stream ends (its process is gone): stage 1 aborts the prompt, counts it,
+    and serves the restarted leader's next prompt."""
+    s1 = bed.procs["s1"]
+    hung_up = metric_value(s1.metrics(), "mooncake_prefill_stage_failures_total",
+                           'cause="hung_up"')
+    call = _Call(bed, "leader-killed")
+    call.start_mid_prompt()
+    bed.store.kill(bed.procs["s0"])
+    code, _ = call.outcome()
+    assert code == grpc.StatusCode.UNAVAILABLE
+    deadline = time.monotonic() + 60
+    while metric_value(s1.metrics(), "mooncake_prefill_stage_failures_total",
+                       'cause="hung_up"') <= hung_up:
+        assert time.monotonic() < deadline, "stage 1 never dropped the prompt"
+        time.sleep(0.05)
+    bed.start("s0")
+    bed.wait_ready("s0")
+    _back_in_rotation(bed)
