@@ -34,6 +34,7 @@ import datetime
 import json
 import os
 import platform
+import signal
 import statistics
 import sys
 import tempfile
@@ -51,7 +52,7 @@ from bench.multihost_bench import BENCH_DIR, WORDS, _met, metric_sum, render, st
 from mooncake_k8s.store.testing import metric_value
 from mooncake_k8s.testbed import Testbed
 from mooncake_k8s.testbed.cluster import BedCluster, BedConfig
-from mooncake_k8s.testbed.greedy import chat_ids, greedy_ids
+from mooncake_k8s.testbed.greedy import Job, chat_ids, greedy_ids
 
 MiB = 1 << 20
 RATE = "10gbit"
@@ -128,8 +129,9 @@ class Run:
 
     def greedy(self) -> dict[str, Any]:
         c = self.c
-        g = greedy_ids(c.hosts["conductor"], c.addr(self.target), GREEDY_TEXT, GREEDY_TOKENS,
-                       c.env(), c.log_dir / "greedy.log")
+        (g,) = greedy_ids(c.hosts["conductor"],
+                          [Job(c.addr(self.target), GREEDY_TEXT, GREEDY_TOKENS)],
+                          c.env(), c.log_dir / "greedy.log")
         text = c.client_call(stream_chat, c.base_url, GREEDY_TEXT, 16)["text"]
         self.echo(f"    {self.name} greedy ids {g['ids']} text {text!r}")
         return {"ids": g["ids"], "cached": g["cached"], "text": text}
@@ -265,6 +267,9 @@ def main() -> int:
     ap.add_argument("--out", default=str(BENCH_DIR / "results" / "pipeline_bench"))
     ap.add_argument("--fresh", action="store_true", help="drop earlier parts in --out's JSON")
     args = ap.parse_args()
+    # SIGTERM (or SIGINT from a background job, where it is ignored) ends the run through the
+    # `with` blocks: the bed's processes and namespaces go with it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.sizes = [int(x) for x in args.sizes.split(",") if x]
     args.chunks = [int(x) for x in args.chunks.split(",") if x]
     args.nonce = f"{int(time.time()) % 100000}"
