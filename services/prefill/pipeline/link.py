@@ -178,7 +178,7 @@ class Downstream:
         """Hang up (idempotent): the next stage aborts the prompt if it has not finished."""
         self._requests.put(_CLOSE)
         if self._sender.is_alive():
-            self._ring.fail(StageFailed("the prompt ended", "closed"))
-            with contextlib.suppress(queue.Full):
-                self._outgoing.put_nowait(_CLOSE)
+            self._ring.fail(StageFailed("the prompt ended", "closed"))  # unblocks a take
+            with contextlib.suppress(queue.Full):  # the sender drains what is queued, then ends
+                self._outgoing.put(_CLOSE, timeout=self._timeout)
         self._call.cancel()
