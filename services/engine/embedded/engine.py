@@ -354,6 +354,8 @@ class Engine:
             )
         return used
 
+    _import = import_blocks  # the benches' name for it
+
     # -- decode -------------------------------------------------------------------------
 
     @torch.inference_mode()
