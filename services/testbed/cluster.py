@@ -81,7 +81,6 @@ class BedCluster:
         self.master_port, self.service_port, self.metrics_port = base, base + 1, base + 2
         self.hosts: dict[str, Host] = {}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.args: dict[str, list[str]] = {}
 
     @property
     def master(self) -> str:
@@ -137,7 +136,6 @@ class BedCluster:
 
     def _spawn(self, name: str, args: list[str]) -> None:
         env = self.env()
-        self.args[name] = args
         self.procs[name] = self.hosts[name].spawn(
             [sys.executable, "-m", "mooncake_k8s.cli", *args], env=env,
             log=self.log_dir / f"{name}.log")
