@@ -31,10 +31,10 @@ from mooncake_k8s.testbed.bed import Host
 
 @functools.cache
 def _tokenizer() -> Any:
-    from mooncake_k8s.conductor.service import load_tokenizer
-    from mooncake_k8s.engine import EngineConfig
+    from mooncake_k8s.engine.loading import ensure_builtin, load_tokenizer
 
-    return load_tokenizer(EngineConfig())
+    # the built-in model's tokenizer, as the Conductor loads it (`conductor.service`)
+    return load_tokenizer(ensure_builtin(progress=False)[0])
 
 
 def chat_ids(text: str) -> list[int]:
