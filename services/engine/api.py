@@ -204,6 +204,9 @@ class PrefillDone:
     store_s: float = 0.0
     stages: list[pb.StageStats] = field(default_factory=list)
     """A prefill group's per-stage shares, stage 0 first (empty for a single instance)."""
+    kv_bytes: int = 0
+    """A group's leader: the KV bytes it wrote itself (its layers and the headers, every
+    replica counted); 0 where not counted (a single instance)."""
 
 
 @dataclass

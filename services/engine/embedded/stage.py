@@ -111,7 +111,6 @@ class _Prompt:
     kv: torch.Tensor
     read: int
     verified: int
-    group_verified: int
     began: float
     loaded: float
     start: int | None = None
@@ -147,8 +146,8 @@ class EmbeddedStage:
         self._kv: torch.Tensor | None = None
         self._p: _Prompt | None = None
         self.kv_bytes = 0
-        """Bytes of this stage's layers in the last prompt's new blocks (headers included on
-        the leader): what it handed to the store, per replica."""
+        """KV bytes the last prompt's writes of this stage put into the pool, every replica
+        counted (the leader: its layers and the headers; `PrefillDone.kv_bytes` too)."""
 
     # -- hidden states on the wire ----------------------------------------------------------
 
@@ -198,7 +197,7 @@ class EmbeddedStage:
             verified = eng.import_blocks(kv, blocks, request_id, payload_checked=True,
                                          layers=(self.lo, self.hi))
         self._p = _Prompt(request_id, ids, ids.to(eng.device), kv, len(blocks), verified,
-                          verified, t0, time.monotonic())
+                          t0, time.monotonic())
         return verified
 
     def _scratch(self, n: int) -> torch.Tensor:
@@ -220,8 +219,7 @@ class EmbeddedStage:
         p = self._prompt()
         if not verified or min(verified) < 0:
             raise InvalidArgument("verified block counts must be one non-negative int a stage")
-        p.group_verified = min(min(verified), p.verified)
-        return self.engine.usable_blocks(p.group_verified, p.n)
+        return self.engine.usable_blocks(min(min(verified), p.verified), p.n)
 
     def _fix_start(self, p: _Prompt, first_block: int) -> None:
         start = first_block * self.engine.block_tokens
@@ -409,8 +407,11 @@ class EmbeddedStage:
             tkey, stored = self._commit(p, work, remote, remote_failed, res.finished)
         finally:
             self.abort()
-        return prefill_done(res, tkey, stored, min(p.group_verified, p.verified),
+        assert p.start is not None
+        done = prefill_done(res, tkey, stored, p.start // self.engine.block_tokens,
                             (p.loaded - p.began, t_done - p.loaded, time.monotonic() - t_done))
+        done.kv_bytes = self.kv_bytes
+        return done
 
     @torch.inference_mode()
     def _first(self, p: _Prompt, work: PrefillWork, last_hidden: torch.Tensor) -> PrefillResult:
@@ -466,9 +467,7 @@ class EmbeddedStage:
         tail = bool(export.tail)
         skip = [len(views) - 1] if tail and finished else []
         results = put.finish(skip=skip)
-        self.kv_bytes = sum(e - s for s, e in (export.layer_range(i, self.lo, self.hi)
-                                              for i in range(len(views))))
-        self.kv_bytes += len(views) * HEADER_SIZE
+        self.kv_bytes = self._own_bytes(export, work)
         bad = [(i, r) for i, r in enumerate(results)
                if i not in skip and r is not None and not isinstance(r, ObjectExists)]
         if bad:
@@ -477,6 +476,18 @@ class EmbeddedStage:
         full = len(views) - int(tail)
         stored = sum(r is None for r in results[:full])
         return (tail_key(work.request_id) if tail and not finished else ""), stored
+
+    def _own_bytes(self, export: LayerExport, work: PrefillWork) -> int:
+        """Bytes the leader wrote itself: its layers and the headers of every object, once a
+        replica (new blocks: the home and write segments, the tail: the write segment)."""
+        plan = work.plan
+        copies = max(1, len({s for s in (plan.home_segment, plan.write_segment) if s}))
+        total = 0
+        for i in range(len(export.views)):
+            start, end = export.layer_range(i, self.lo, self.hi)
+            tail = bool(export.tail) and i == len(export.views) - 1
+            total += (end - start + HEADER_SIZE) * (1 if tail else copies)
+        return total
 
     def abort(self) -> None:
         """Drop the prompt: its put or writer aborted, nothing committed (idempotent)."""

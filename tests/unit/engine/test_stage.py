@@ -382,6 +382,9 @@ def test_a_group_stores_the_blocks_a_single_instance_would(
     assert (done.first_token, done.stored_blocks, done.tail_key) == (token, 5, "tail/sg")
     keys = [*work.plan.keys, done.tail_key]
     assert [bytes(client.get(k)) for k in keys] == objs
+    # the leader wrote its half of the layers and the headers: blocks twice, the tail once
+    half = [HEADER_SIZE + (len(o) - HEADER_SIZE) // 2 for o in objs]
+    assert done.kv_bytes == 2 * sum(half[:5]) + half[5]
     got = client._call("GetReplicas", spb.GetReplicasRequest(keys=keys)).objects
     assert [sorted(r.segment for r in o.replicas) for o in got] == \
         [sorted([home, write])] * 5 + [[write]]
