@@ -19,8 +19,8 @@ network or two GPUs working at once. What it measures:
                  bytes, reported as hidden_mb for a link budget)
   ratio          pipe_ms / single_ms
 
-  python bench/pipeline_gpu.py                        # 8K and 32K tokens, chunks 1K..8K
-  python bench/pipeline_gpu.py --smoke                # tiny model on the CPU: checks the script
+  python -m bench.pipeline_gpu                        # 8K and 32K tokens, chunks 1K..8K
+  python -m bench.pipeline_gpu --smoke                # tiny model on the CPU: checks the script
 """
 
 from __future__ import annotations
