@@ -35,8 +35,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_gpu import LLAMA3_8B  # noqa: E402
+from bench.engine_gpu import LLAMA3_8B
 
 
 def _sync(dev: torch.device) -> None:
