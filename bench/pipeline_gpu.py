@@ -19,8 +19,8 @@ network or two GPUs working at once. What it measures:
                  bytes, reported as hidden_mb for a link budget)
   ratio          pipe_ms / single_ms
 
-  python -m bench.pipeline_gpu                        # 8K and 32K tokens, chunks 1K..8K
-  python -m bench.pipeline_gpu --smoke                # tiny model on the CPU: checks the script
+  python bench/pipeline_gpu.py                        # 8K and 32K tokens, chunks 1K..8K
+  python bench/pipeline_gpu.py --smoke                # tiny model on the CPU: checks the script
 """
 
 from __future__ import annotations
@@ -34,6 +34,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+# Run as a script: make the `bench` package importable (appended: the repo root's operator/
+# folder must not shadow the standard library), as store_bench does.
+if __package__ in (None, ""):
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_gpu import LLAMA3_8B
 
