@@ -191,9 +191,11 @@ def run_config(name: str, args: argparse.Namespace,
         run.ttft(1000, 0, "w")
         out: dict[str, Any] = {"config": spec, "rate": RATE, "ttft": {}}
         if spec.get("prefill_groups"):
-            from mooncake_k8s.prefill.pipeline.config import DEFAULT_CHUNK_TOKENS
+            from mooncake_k8s.prefill.pipeline.config import DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNKS
 
-            out["chunk_tokens"] = DEFAULT_CHUNK_TOKENS  # the rows before the sweep
+            # the rows before the sweep: the workers' defaults (a prompt cut into about
+            # DEFAULT_CHUNKS chunks, none longer than DEFAULT_CHUNK_TOKENS)
+            out["chunk_tokens"] = f"auto: {DEFAULT_CHUNKS} chunks <= {DEFAULT_CHUNK_TOKENS}"
         if name != "one2":
             out["greedy"] = run.greedy()
         out["ttft"][str(SHORT)] = run.ttfts(SHORT, 3)
@@ -207,8 +209,10 @@ def run_config(name: str, args: argparse.Namespace,
 
 
 def sweep(run: Run, chunks: list[int], tokens: int) -> list[dict[str, Any]]:
-    """TTFT and bubble at `tokens` per pipeline chunk size (the group's stages restarted)."""
+    """TTFT and bubble at `tokens` per fixed pipeline chunk size (`--pipeline-chunks 0`; the
+    group's stages restarted)."""
     rows = []
+    run.c.config.pipeline_chunks = 0
     for chunk in chunks:
         run.c.config.pipeline_chunk_tokens = chunk
         run.c.respawn(run.c.stages(0))
@@ -268,7 +272,7 @@ def table(res: dict[str, Any], sizes: list[int]) -> list[list[str]]:
                      "-"])
     if sw:
         best = min(sw, key=lambda r: r["ttft_s"])
-        rows.append(["chunk size that minimises TTFT (the default to recommend)", "report",
+        rows.append([f"fixed chunk size that minimises TTFT at {big}", "report",
                      str(best["chunk_tokens"]), "-"])
         one = t("one1", big)
         if one:

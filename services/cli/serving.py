@@ -25,7 +25,11 @@ from mooncake_k8s.cli.options import (
 from mooncake_k8s.common import defaults as d
 from mooncake_k8s.common.defaults import BLOCK_TOKENS
 from mooncake_k8s.engine.registry import ENGINE_KINDS
-from mooncake_k8s.prefill.pipeline.config import DEFAULT_CHUNK_TOKENS, DEFAULT_STAGE_TIMEOUT_S
+from mooncake_k8s.prefill.pipeline.config import (
+    DEFAULT_CHUNK_TOKENS,
+    DEFAULT_CHUNKS,
+    DEFAULT_STAGE_TIMEOUT_S,
+)
 
 _host_opts = [
     click.option("--host", envvar="MOONCAKE_HOST", default="127.0.0.1", show_default=True,
@@ -182,8 +186,13 @@ _pipeline_opts = [
                  "last); '{index}' is replaced by this pod's index + 1."),
     click.option("--pipeline-chunk-tokens", envvar="MOONCAKE_PIPELINE_CHUNK_TOKENS",
                  default=DEFAULT_CHUNK_TOKENS, show_default=True, show_envvar=True,
-                 type=int, help="Tokens per pipeline chunk: stage s passes a chunk on and "
-                 "computes the next one at once (a multiple of the engine's prefill chunk)."),
+                 type=int, help="The largest pipeline chunk in tokens: stage s passes a "
+                 "chunk on and computes the next one at once (a multiple of the engine's "
+                 "prefill chunk; also the size of the next stage's inbox slots)."),
+    click.option("--pipeline-chunks", envvar="MOONCAKE_PIPELINE_CHUNKS",
+                 default=DEFAULT_CHUNKS, show_default=True, show_envvar=True, type=int,
+                 help="Pipeline chunks a prompt is cut into, each at most "
+                      "--pipeline-chunk-tokens (0 = every chunk that long)."),
     click.option("--pipeline-stage-timeout", envvar="MOONCAKE_PIPELINE_STAGE_TIMEOUT",
                  default=DEFAULT_STAGE_TIMEOUT_S, show_default=True, show_envvar=True,
                  type=click.FloatRange(min=0, min_open=True),
@@ -211,12 +220,14 @@ def _pipeline(o: dict[str, Any]) -> dict[str, Any]:
         check_pipeline(group=group, group_size=size, stage=stage, next_addr=nxt,
                        chunk_tokens=o["pipeline_chunk_tokens"],
                        compute_chunk=o.get("block_tokens", BLOCK_TOKENS),
-                       timeout_s=o["pipeline_stage_timeout"], engine_kind=o["engine_kind"])
+                       timeout_s=o["pipeline_stage_timeout"], engine_kind=o["engine_kind"],
+                       chunks=o["pipeline_chunks"])
     except InvalidArgument as e:
         raise click.UsageError(str(e)) from e
     return {"pipeline_group": group,
             "pipeline_group_size": size, "pipeline_stage": stage, "pipeline_next": nxt,
             "pipeline_chunk_tokens": o["pipeline_chunk_tokens"],
+            "pipeline_chunks": o["pipeline_chunks"],
             "pipeline_stage_timeout_s": o["pipeline_stage_timeout"]}
 
 

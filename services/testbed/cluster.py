@@ -54,6 +54,8 @@ class BedConfig:
     one group of two stages, each on its own host)."""
     pipeline_chunk_tokens: int | None = None
     """`--pipeline-chunk-tokens` of every stage (None: the worker's default)."""
+    pipeline_chunks: int | None = None
+    """`--pipeline-chunks` of every stage (None: the worker's default; 0 = fixed chunks)."""
     pipeline_stage_timeout_s: float | None = None
     """`--pipeline-stage-timeout` of every stage (None: the worker's default)."""
     store_replicas: int = 2
@@ -194,6 +196,8 @@ class BedCluster:
             args += ["--pipeline-next", self.addr(group[stage + 1])]
         if c.pipeline_chunk_tokens is not None:
             args += ["--pipeline-chunk-tokens", str(c.pipeline_chunk_tokens)]
+        if c.pipeline_chunks is not None:
+            args += ["--pipeline-chunks", str(c.pipeline_chunks)]
         if c.pipeline_stage_timeout_s is not None:
             args += ["--pipeline-stage-timeout", str(c.pipeline_stage_timeout_s)]
         return args

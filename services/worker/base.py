@@ -92,8 +92,11 @@ class WorkerConfig:
     """0 = the group's leader (the only stage taking Prefill calls)."""
     pipeline_next: str = ""
     """The next stage's gRPC address ("" on the last stage; `{index}` already resolved)."""
-    pipeline_chunk_tokens: int = 256
-    """Tokens per pipeline chunk (a multiple of the engine's prefill chunk)."""
+    pipeline_chunk_tokens: int = 1024
+    """The largest pipeline chunk in tokens (a multiple of the engine's prefill chunk)."""
+    pipeline_chunks: int = 8
+    """Pipeline chunks a prompt is cut into, each at most `pipeline_chunk_tokens` (0 = every
+    chunk `pipeline_chunk_tokens` long): `prefill.pipeline.config.chunk_tokens_for`."""
     pipeline_stage_timeout_s: float = 10.0
     """The longest any wait on another stage may take before the prompt fails UNAVAILABLE."""
 

@@ -17,7 +17,9 @@ the *shape* of the model only:
 Prefill groups (chunked pipeline-parallel prefill, issue 21): a group of G stages is one
 prefill target with its own prefill fit, `prefill_groups[G]` (`GroupPrefill`, measured by
 `mooncake calibrate` through the group's leader): the single shape plus a *fill* term over the
-first m = min(new, fill_tokens) tokens, ``fill * m + fill_attn * m * (cached + m / 2)``. A
+first m = min(new, fill_tokens, ceil(new / fill_chunks)) tokens (the first pipeline chunk: the
+workers cut a prompt into about `fill_chunks` chunks of at most `fill_tokens`),
+``fill * m + fill_attn * m * (cached + m / 2)``. A
 chunk of c tokens goes through every stage in turn, so the last chunk reaches the last stage
 (G-1)/G of a chunk's compute after the first stage is done: with k chunks the pipeline takes
 about ``P(n)/G + (G-1)/G * P(min(n, c))``. A profile without an entry for G uses that estimate
@@ -50,9 +52,13 @@ DEFAULT_PROFILE = "llama3-70b-a800x8"
 BUILTIN_CPU_PROFILE = "smollm2-135m-cpu"
 """Measured with `mooncake calibrate` on `mooncake up` serving the built-in SmolLM2-135M on a
 CPU; the Conductor's default when it serves that model on a CPU (`default_profile`)."""
-PIPELINE_CHUNK_TOKENS = 256
-"""The workers' default pipeline chunk (`WorkerConfig.pipeline_chunk_tokens`): the chunk the
-uncalibrated group estimate (`pipelined`) assumes for the pipeline's fill."""
+PIPELINE_CHUNK_TOKENS = 1024
+"""The workers' default largest pipeline chunk (`WorkerConfig.pipeline_chunk_tokens`)."""
+PIPELINE_MIN_CHUNK = 64
+"""The smallest pipeline chunk: the engine's compute chunk (its default, the block size)."""
+PIPELINE_CHUNKS = 8
+"""The workers' default chunks per prompt (`WorkerConfig.pipeline_chunks`): with the largest
+chunk, what the group estimate (`pipelined`, `fit_group_prefill`) takes for the fill."""
 PIPELINE_HOP_MS = 1.0
 """The uncalibrated estimate's cost of one stage boundary that compute does not hide (the
 first chunk's handoff): an assumption, replaced by a measured group entry's base."""
@@ -83,18 +89,28 @@ class Prefill:
 @dataclass(frozen=True)
 class GroupPrefill(Prefill):
     """A pipelined prefill group's fit: `Prefill`'s terms plus the pipeline's fill over the
-    first m = min(new, fill_tokens) tokens (the module's docstring):
+    first m = `first_chunk(new)` tokens (the module's docstring):
     ``fill_ms_per_token * m + fill_attn_ms * m * (cached + m / 2)``."""
 
     fill_ms_per_token: float = 0.0
     fill_attn_ms: float = 0.0
     fill_tokens: int = 0
-    """The pipeline chunk the fill is counted up to (the workers' pipeline_chunk_tokens)."""
+    """The largest pipeline chunk the fill is counted up to (the workers'
+    pipeline_chunk_tokens)."""
+    fill_chunks: int = 0
+    """Chunks the workers cut a prompt into (pipeline_chunks; 0 = every chunk fill_tokens)."""
+
+    def first_chunk(self, new: int) -> int:
+        """Tokens of a prompt's first pipeline chunk, as the workers cut it."""
+        m = min(new, self.fill_tokens)
+        if self.fill_chunks <= 0:
+            return m
+        return min(m, max(PIPELINE_MIN_CHUNK, -(-new // self.fill_chunks)))
 
     def ms(self, new: int, cached: int = 0) -> float:
         if new <= 0:
             return 0.0
-        m = min(new, self.fill_tokens)
+        m = self.first_chunk(new)
         return (super().ms(new, cached) + self.fill_ms_per_token * m
                 + self.fill_attn_ms * m * (cached + m / 2))
 
@@ -269,12 +285,13 @@ def _groups_of(d: Mapping[str, Any]) -> dict[int, Prefill]:
                                  f"got {g!r}") from None
         vals: dict[str, Any] = {k: float(v) for k, v in pf.items()}
         vals["fill_tokens"] = int(vals.get("fill_tokens", 0))
+        vals["fill_chunks"] = int(vals.get("fill_chunks", 0))
         out[size] = GroupPrefill(**vals)
     return out
 
 
-def pipelined(single: Prefill, group: int,
-              chunk_tokens: int = PIPELINE_CHUNK_TOKENS) -> Prefill:
+def pipelined(single: Prefill, group: int, chunk_tokens: int = PIPELINE_CHUNK_TOKENS,
+              chunks: int = PIPELINE_CHUNKS) -> Prefill:
     """The uncalibrated estimate of a group of `group` stages from the single-instance fit
     (the module's docstring says why this shape): per-token and attention work / G, the base
     kept whole plus a hop per stage boundary, and the pipeline's fill: (G-1)/G of the
@@ -285,7 +302,7 @@ def pipelined(single: Prefill, group: int,
     share = (g - 1) / g
     return GroupPrefill(single.base_ms + (g - 1) * PIPELINE_HOP_MS, single.per_token_ms / g,
                         single.attn_ms / g, single.per_token_ms * share,
-                        single.attn_ms * share, chunk_tokens)
+                        single.attn_ms * share, chunk_tokens, chunks)
 
 
 def _decode_of(d: Mapping[str, Any]) -> Decode:
@@ -395,11 +412,13 @@ def fit_prefill(samples: Sequence[tuple[int, int, float]]) -> tuple[Prefill, flo
 
 
 def fit_group_prefill(samples: Sequence[tuple[int, int, float]],
-                      chunk_tokens: int = PIPELINE_CHUNK_TOKENS) -> tuple[GroupPrefill, Fit]:
+                      chunk_tokens: int = PIPELINE_CHUNK_TOKENS,
+                      chunks: int = PIPELINE_CHUNKS) -> tuple[GroupPrefill, Fit]:
     """(new, cached, ms) samples of a group (through its leader) -> its `GroupPrefill`: the
     prefill columns plus the fill's over m = min(new, chunk) (prompts shorter and longer than
     a chunk tell them from the others), and the load column as in `fit_prefill`."""
-    ms_ = [float(min(n, chunk_tokens)) for n, _, _ in samples]
+    shape = GroupPrefill(0.0, 0.0, 0.0, fill_tokens=chunk_tokens, fill_chunks=chunks)
+    ms_ = [float(shape.first_chunk(n)) for n, _, _ in samples]
     cols = [
         [1.0] * len(samples),
         [float(n) for n, _, _ in samples],
@@ -410,7 +429,7 @@ def fit_group_prefill(samples: Sequence[tuple[int, int, float]],
     ]
     f = nnls_fit(cols, [ms for _, _, ms in samples])
     base, per_tok, attn, fill, fill_attn, _load = f.coef
-    return GroupPrefill(base, per_tok, attn, fill, fill_attn, chunk_tokens), f
+    return GroupPrefill(base, per_tok, attn, fill, fill_attn, chunk_tokens, chunks), f
 
 
 def fit_decode(samples: Sequence[tuple[int, int, float]]) -> tuple[Decode, Fit]:

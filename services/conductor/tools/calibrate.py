@@ -45,6 +45,7 @@ import numpy as np
 from mooncake_k8s.common.defaults import BLOCK_TOKENS
 from mooncake_k8s.conductor.sched.costmodel import (
     PIPELINE_CHUNK_TOKENS,
+    PIPELINE_CHUNKS,
     CostModel,
     CostModelError,
     Decode,
@@ -93,8 +94,10 @@ class CalibrateConfig:
     groups: bool = True
     """Measure the prefill groups among the targets, each size into `prefill_groups`."""
     group_chunk_tokens: int = PIPELINE_CHUNK_TOKENS
-    """The groups' pipeline chunk (their workers' --pipeline-chunk-tokens): where the
+    """The groups' largest pipeline chunk (their workers' --pipeline-chunk-tokens): where the
     group fit's fill term stops growing."""
+    group_chunks: int = PIPELINE_CHUNKS
+    """Chunks the groups' workers cut a prompt into (--pipeline-chunks; 0 = fixed chunks)."""
 
 
 class _Client:
@@ -288,7 +291,7 @@ async def calibrate(cfg: CalibrateConfig, log: Callable[[str], None] = print) ->
     # With no single instance, the smallest group's fit stands in for `prefill`.
     pre = single if single is not None else grouped[min(grouped)]
     model = with_groups(_model(cfg, c.model, kv, pre, dec), grouped, single is not None,
-                        cfg.group_chunk_tokens)
+                        cfg.group_chunk_tokens, cfg.group_chunks)
     if cfg.links and cfg.master:
         try:
             model = await asyncio.to_thread(measure_links, model, cfg, log)
@@ -331,7 +334,8 @@ def _model(cfg: CalibrateConfig, served: str, kv: int, pre: list[tuple[int, int,
 
 
 def with_groups(model: CostModel, grouped: dict[int, Samples], single: bool = True,
-                chunk_tokens: int = PIPELINE_CHUNK_TOKENS) -> CostModel:
+                chunk_tokens: int = PIPELINE_CHUNK_TOKENS,
+                chunks: int = PIPELINE_CHUNKS) -> CostModel:
     """`model` with each group size's prefill fit (`prefill_groups`) and its provenance;
     `single` False: no single instance was measured (`prefill` is the smallest group's fit,
     and `extra` says so)."""
@@ -342,7 +346,7 @@ def with_groups(model: CostModel, grouped: dict[int, Samples], single: bool = Tr
     quality: dict[str, Any] = {}
     for g, samples in sorted(grouped.items()):
         try:
-            fits[g], f = fit_group_prefill(samples, chunk_tokens)
+            fits[g], f = fit_group_prefill(samples, chunk_tokens, chunks)
         except CostModelError as e:
             raise CalibrationError(f"group of {g}: {e}") from e
         quality[str(g)] = {"r2": round(f.r2, 4), "samples": f.samples}

@@ -98,6 +98,7 @@ class StageRuntime:
         self.index = cfg.pipeline_stage
         self.timeout_s = cfg.pipeline_stage_timeout_s
         self.chunk_tokens = cfg.pipeline_chunk_tokens
+        self.chunks = cfg.pipeline_chunks
         self.last = self.index == self.size - 1
         self.metrics = StageMetrics(worker.registry)
         self.stage: Any = None

@@ -20,6 +20,7 @@ import torch
 from mooncake_k8s.common import tracing
 from mooncake_k8s.common.rpc import serving_pb2 as pb
 from mooncake_k8s.engine.api import PrefillDone, PrefillWork
+from mooncake_k8s.prefill.pipeline.config import chunk_tokens_for
 from mooncake_k8s.prefill.pipeline.group import StageClock, StageRuntime
 from mooncake_k8s.prefill.pipeline.inbox import StageFailed, tensor_from
 from mooncake_k8s.prefill.pipeline.link import Downstream
@@ -94,7 +95,9 @@ class Leader:
         t1 = time.monotonic()
         clock = StageClock()
         with tracing.span("prefill.group.compute", start=start):
-            for a, b in chunk_bounds(start, len(work.token_ids), rt.chunk_tokens):
+            size = chunk_tokens_for(len(work.token_ids) - start, stage.engine.chunk_tokens,
+                                    rt.chunk_tokens, rt.chunks)
+            for a, b in chunk_bounds(start, len(work.token_ids), size):
                 with clock.timed():
                     h = stage.forward(a, b, None)
                 down.send(h, a, b)

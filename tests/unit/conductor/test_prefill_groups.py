@@ -23,7 +23,7 @@ from mooncake_k8s.common.rpc import serving_pb2 as pb
 from mooncake_k8s.conductor.metrics import ConductorMetrics
 from mooncake_k8s.conductor.sched.costmodel import (
     BUILTIN_CPU_PROFILE,
-    PIPELINE_CHUNK_TOKENS,
+    PIPELINE_MIN_CHUNK,
     Prefill,
     load,
     pipelined,
@@ -194,9 +194,10 @@ def test_the_scheduler_costs_a_group_with_its_entry_and_else_the_estimate() -> N
     est = pipelined(base.prefill, 2)
     assert decide(base, views[1:])[1] == pytest.approx(est.ms(n))
     assert base.prefill.ms(n) * 0.5 < est.ms(n) < base.prefill.ms(n)
-    # A prompt of at most one pipeline chunk gains nothing from a group: an idle single
-    # instance is preferred (the estimate never undercuts it there).
-    for short in (len(SHORT), PIPELINE_CHUNK_TOKENS):
+    # A prompt of at most one pipeline chunk (the smallest is one compute chunk) gains
+    # nothing from a group: an idle single instance is preferred (the estimate never
+    # undercuts it there).
+    for short in (len(SHORT), PIPELINE_MIN_CHUNK):
         assert est.ms(short) > base.prefill.ms(short)
         s = Scheduler(SchedulerConfig(block_tokens=BT), base, KVIndex())
         assert s.decide(Demand([], short, 4), views, decodes, 0.0).prefill == 0
