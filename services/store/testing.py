@@ -25,6 +25,7 @@ from mooncake_k8s.common.errors import StoreError
 from mooncake_k8s.common.netutil import free_port
 from mooncake_k8s.common.procs import Proc
 from mooncake_k8s.store.cluster import LocalCluster
+from mooncake_k8s.store.node.server import NodeConfig, StorageNode
 
 
 def metric_value(text: str, name: str, labels: str = "") -> float:
@@ -118,6 +119,20 @@ class StoreCluster(LocalCluster):
                     return
             time.sleep(0.05)
         raise TimeoutError(f"nodes did not report {objects} objects within {timeout}s")
+
+
+def start_host_node(cluster: StoreCluster, node_id: str, host_id: str,
+                    dram_size: int) -> StorageNode:
+    """An in-process storage node of `cluster` that says it lives on `host_id` (an emulated
+    host: the master places and reads by host), registered before it is returned."""
+    node = StorageNode(NodeConfig(master=cluster.master_address, node_id=node_id,
+                                  token=cluster.token, dram_size=dram_size, host_id=host_id,
+                                  prefault=False))
+    node.start()
+    if not node.wait_registered(20):
+        node.stop()
+        raise StoreError(f"storage node {node_id!r} did not register with the master")
+    return node
 
 
 @contextlib.contextmanager

@@ -23,22 +23,17 @@ from google.protobuf.message import DecodeError
 
 from mooncake_k8s.common.errors import InvalidArgument
 from mooncake_k8s.common.rpc import store_pb2 as pb
-from mooncake_k8s.store.wire import location
-from mooncake_k8s.transfer import Peer
-from mooncake_k8s.transfer.segments import SegmentDesc, Tier
+from mooncake_k8s.store.wire import Location, location
+from mooncake_k8s.transfer.segments import Tier
 
 MAGIC = b"MCPL"
 VERSION = 1
 _TIER_PB = {Tier.DRAM: pb.DRAM, Tier.SSD: pb.SSD}
 
 
-@dataclass(frozen=True)
-class PlanReplica:
-    """One replica of one object: its bytes go to `segment` of `peer` from `offset` on."""
-
-    peer: Peer
-    segment: SegmentDesc
-    offset: int
+PlanReplica = Location
+"""One replica of one plan object: its bytes go to `segment` of `peer` from `offset` on (the
+store's `Location` of a replica, as reads use it)."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +89,5 @@ def _object(i: int, o: pb.PlanObject) -> PlanObject:
             raise InvalidArgument(
                 f"stream plan object {i} ends past segment {r.segment!r} "
                 f"({r.offset} + {o.size} > {r.segment_size})")
-        loc = location(r)
-        reps.append(PlanReplica(loc.peer, loc.segment, loc.offset))
+        reps.append(location(r))
     return PlanObject(o.size, tuple(reps))

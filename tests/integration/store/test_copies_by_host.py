@@ -18,7 +18,7 @@ from mooncake_k8s.common.errors import InvalidArgument, StoreError
 from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.store.client.client import StoreClient
 from mooncake_k8s.store.node.server import NodeConfig, StorageNode
-from mooncake_k8s.store.testing import HaStoreCluster, StoreCluster
+from mooncake_k8s.store.testing import HaStoreCluster, StoreCluster, start_host_node
 
 MiB = 1 << 20
 EV = pb.BlockEvent
@@ -40,20 +40,11 @@ class Bed:
         return sorted(loc.segment.name for loc in got.replicas) if got else []
 
 
-def start_node(cluster: StoreCluster, node_id: str, host: str, size: int) -> StorageNode:
-    node = StorageNode(NodeConfig(master=cluster.master_address, node_id=node_id,
-                                  token=cluster.token, dram_size=size, host_id=host,
-                                  prefault=False))
-    node.start()
-    assert node.wait_registered(20)
-    return node
-
-
 @pytest.fixture
 def bed() -> Iterator[Bed]:
     with StoreCluster() as cluster:
         cluster.start_master()
-        nodes = {n: start_node(cluster, n, h, 8 * MiB) for n, h in HOSTS.items()}
+        nodes = {n: start_host_node(cluster, n, h, 8 * MiB) for n, h in HOSTS.items()}
         try:
             cluster.wait_nodes(len(nodes))
             yield Bed(cluster, nodes)
@@ -238,7 +229,7 @@ def test_a_kept_replica_survives_an_ha_failover_at_once() -> None:
     so killing it right after the keep (the node may not have heard of it yet) loses nothing."""
     with HaStoreCluster() as cluster:
         cluster.start_masters()
-        nodes = {n: start_node(cluster, n, h, 8 * MiB) for n, h in HOSTS.items() if n != "nc"}
+        nodes = {n: start_host_node(cluster, n, h, 8 * MiB) for n, h in HOSTS.items() if n != "nc"}
         try:
             cluster.wait_nodes(len(nodes))
             bed = Bed(cluster, nodes)

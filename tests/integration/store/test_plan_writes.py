@@ -30,8 +30,8 @@ from mooncake_k8s.common.errors import InvalidArgument
 from mooncake_k8s.store.client.client import StoreClient
 from mooncake_k8s.store.client.planwrite import PlanWriter
 from mooncake_k8s.store.client.streamput import StreamFailed, StreamPut
-from mooncake_k8s.store.node.server import NodeConfig, StorageNode
-from mooncake_k8s.store.testing import StoreCluster
+from mooncake_k8s.store.node.server import StorageNode
+from mooncake_k8s.store.testing import StoreCluster, start_host_node
 from mooncake_k8s.transfer import ReadOp
 
 MiB = 1 << 20
@@ -49,20 +49,12 @@ class Bed:
         return self.cluster.client(host_id=host, **kw)
 
 
-def start_node(cluster: StoreCluster, node_id: str, host: str) -> StorageNode:
-    node = StorageNode(NodeConfig(master=cluster.master_address, node_id=node_id,
-                                  token=cluster.token, dram_size=8 * MiB, host_id=host,
-                                  prefault=False))
-    node.start()
-    assert node.wait_registered(20)
-    return node
-
-
 @pytest.fixture
 def bed() -> Iterator[Bed]:
     with StoreCluster() as cluster:
         cluster.start_master()
-        nodes = {n: start_node(cluster, n, h) for n, h in (("na", "hA"), ("nb", "hB"))}
+        nodes = {n: start_host_node(cluster, n, h, 8 * MiB)
+                 for n, h in (("na", "hA"), ("nb", "hB"))}
         try:
             cluster.wait_nodes(len(nodes))
             yield Bed(cluster, nodes)
