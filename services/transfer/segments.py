@@ -3,12 +3,19 @@
 The owner creates the backing file, maps it and removes the file when it closes the segment;
 peers on the same host map the same file (`Segment.open`) and copy with memcpy. The TCP server
 serves the same mapping to remote peers.
+
+The owner holds an exclusive `flock` on its file for as long as it lives (the kernel drops it
+when the process dies, `kill -9` included). So a file nobody holds is a dead owner's leftover:
+a restarted owner takes it over (`replace=True`), a harness reaps it (`reap_stale`), and a live
+owner's file is never taken from it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import fcntl
+import glob
 import logging
 import mmap
 import os
@@ -79,12 +86,15 @@ class SegmentDesc:
 class Segment:
     """A mapped segment. `buf` is a writable (unless opened read-only) 1-D byte view of it."""
 
-    __slots__ = ("_closed", "_fd", "_lock", "_mmap", "_owner", "buf", "desc")
+    __slots__ = ("_closed", "_fd", "_keep", "_lock", "_lockfd", "_mmap", "_owner", "buf",
+                 "desc")
 
     def __init__(self, desc: SegmentDesc, fd: int, *, owner: bool, writable: bool,
-                 populate: bool = False) -> None:
+                 populate: bool = False, lockfd: int = -1, keep: bool = False) -> None:
         self.desc = desc
         self._owner = owner
+        self._lockfd = lockfd  # holds the owner's flock until close
+        self._keep = keep  # an SSD file that outlives the process (re-adopted on restart)
         self._closed = False
         self._lock = threading.Lock()
         self._fd = fd
@@ -123,25 +133,55 @@ class Segment:
         return cls._create(SegmentDesc(name, Tier.SSD, _check_size(size), path), replace)
 
     @classmethod
+    def adopt_file(cls, name: str, directory: str, size: int) -> tuple[Segment, bool]:
+        """An SSD-tier segment whose file persists: the file a dead predecessor left is mapped
+        as it is (its bytes kept), or a new one is created. The file stays when the segment is
+        closed. Returns (segment, adopted). Refused (InvalidArgument) when a live process holds
+        the file or its size is not `size`."""
+        desc = SegmentDesc(name, Tier.SSD, _check_size(size),
+                           os.path.join(directory, file_name(name)))
+        fd = os.open(desc.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        try:
+            lockfd = _lock_owner(fd, desc.path)
+        except InvalidArgument:
+            os.close(fd)
+            raise
+        try:
+            have = os.fstat(fd).st_size
+            if have not in (0, desc.size):
+                raise InvalidArgument(
+                    f"segment file {desc.path} is {have} bytes, this node's layout needs "
+                    f"{desc.size}: another --ssd-size wrote it (remove it to start over)")
+            if have == 0:
+                os.ftruncate(fd, desc.size)
+            return cls(desc, fd, owner=True, writable=True, lockfd=lockfd, keep=True), have > 0
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            os.close(lockfd)
+            raise
+
+    @classmethod
     def _create(cls, desc: SegmentDesc, replace: bool, populate: bool = False) -> Segment:
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
         if replace:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(desc.path)
+            _remove_if_dead(desc.path)
         try:
             fd = os.open(desc.path, flags, 0o600)
         except FileExistsError as e:
             raise InvalidArgument(f"segment file {desc.path} already exists") from e
         try:
+            lockfd = _lock_owner(fd, desc.path)
             os.ftruncate(fd, desc.size)
-        except OSError:
+        except BaseException:
             os.close(fd)
             os.unlink(desc.path)
             raise
         try:
-            return cls(desc, fd, owner=True, writable=True, populate=populate)
+            return cls(desc, fd, owner=True, writable=True, populate=populate, lockfd=lockfd)
         except OSError:
             os.unlink(desc.path)
+            os.close(lockfd)
             raise
 
     @classmethod
@@ -212,9 +252,12 @@ class Segment:
                 "segment still has live views; unmapped when they are released",
                 extra={"segment": self.desc.name},
             )
-        if self._owner:
+        if self._owner and not self._keep:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.desc.path)
+        if self._lockfd >= 0:
+            os.close(self._lockfd)  # after the unlink: a successor never sees it unheld
+            self._lockfd = -1
 
     def __enter__(self) -> Segment:
         return self
@@ -225,6 +268,49 @@ class Segment:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"Segment({self.desc.name!r}, {self.desc.tier.value}, {self.desc.size}, {state})"
+
+
+def _lock_owner(fd: int, path: str) -> int:
+    """Take the owner's exclusive flock on the file behind `fd`; returns the (dup'ed) fd that
+    holds it. InvalidArgument when a live process already holds it."""
+    lockfd = os.dup(fd)
+    try:
+        fcntl.flock(lockfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as e:
+        os.close(lockfd)
+        raise InvalidArgument(
+            f"segment file {path} is held by a live process (another owner with the same "
+            "name is running)") from e
+    return lockfd
+
+
+def _remove_if_dead(path: str) -> bool:
+    """Unlink a segment file no live process holds (its owner died); True if removed.
+    InvalidArgument when a live owner holds it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return False
+    try:
+        os.close(_lock_owner(fd, path))
+        os.unlink(path)  # still under no one's lock: its owner is gone
+        log.warning("removed a segment file its dead owner left", extra={"path": path})
+        return True
+    finally:
+        os.close(fd)
+
+
+def reap_stale(tag: str) -> list[str]:
+    """Remove the /dev/shm segment files of cluster `tag` whose owners are dead (killed before
+    they could remove them). Files a live owner holds stay. Returns the paths removed."""
+    if not tag or len(tag) > 16 or not all(c in "0123456789abcdef" for c in tag):
+        raise InvalidArgument(f"segment tag {tag!r} must be 1-16 lowercase hex digits")
+    removed = []
+    for path in glob.glob(os.path.join(SHM_DIR, f"{SHM_PREFIX}{tag}-*")):
+        with contextlib.suppress(InvalidArgument, OSError):
+            if _remove_if_dead(path):
+                removed.append(path)
+    return removed
 
 
 def _check_size(size: int) -> int:

@@ -42,16 +42,23 @@ def test_shm_create_open_share_close() -> None:
     seg.close()
 
 
-def test_create_is_exclusive_unless_replace() -> None:
+def test_create_is_exclusive_and_replace_takes_only_a_dead_owners_file() -> None:
     seg = Segment.create_shm(uniq("excl"), 4096)
     try:
         with pytest.raises(InvalidArgument, match="already exists"):
             Segment.create_shm(uniq("excl"), 4096)
-        again = Segment.create_shm(uniq("excl"), 8192, replace=True)
-        assert again.desc.size == 8192
-        again.close()
+        with pytest.raises(InvalidArgument, match="held by a live process"):
+            Segment.create_shm(uniq("excl"), 8192, replace=True)
+        assert os.path.exists(seg.desc.path) and os.path.getsize(seg.desc.path) == 4096
     finally:
         seg.close()
+    # A file no one holds (its owner died before removing it) is taken over.
+    with open(seg.desc.path, "wb") as f:
+        f.write(b"x" * 100)
+    again = Segment.create_shm(uniq("excl"), 8192, replace=True)
+    assert again.desc.size == 8192 and os.path.getsize(again.desc.path) == 8192
+    again.close()
+    assert not os.path.exists(again.desc.path)
 
 
 def test_file_segment(tmp_path: Path) -> None:
