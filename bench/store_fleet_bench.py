@@ -1,0 +1,633 @@
+#!/usr/bin/env python3
+"""The store for a fleet (issue 22's table), measured on the multi-host test bed.
+
+Every row is its own `Testbed` (each component on an emulated host with its own address, IPC
+namespace and tbf-shaped link) with a store master on host `master`, and its baseline in the
+same run:
+
+1. hot prefix: a 64-block prefix stored on one host (`src`); 3 reader hosts, each a process
+   serving its own storage segment (as workers do) with 2 reader clients, read it in a loop at
+   1 Gbit/s: aggregate read rate with the master's hot-object fan-out on vs off;
+2. checkpoint: 6 hosts fetch a 512 MiB directory from one source at 1 Gbit/s at once: time
+   until all have it, `mooncake p2p get` vs every host copying from the source alone (an HTTP
+   server on the source host: one link shared by all);
+3. model to pods: the first pod fetches the model directory, then 3 later pods at once:
+   their times through `mooncake p2p get` vs copies from the source host;
+4. tenants: tenant B's hit rate on its own working set while tenant A floods puts at 3x its
+   quota: B alone, the flood without quotas, the flood with quotas;
+5. restart: a storage node with 1 GiB on its SSD tier killed with SIGKILL and started again with
+   the same directory: objects served again (read back and verified) and the time to re-adopt.
+
+A row whose feature has not landed (no fan-out switch, no `mooncake p2p`, no tenant on puts or
+quota setting on the master) says "not measured: <why>" and keeps its baseline.
+
+Each host's work runs in a process spawned on it (`--worker SPEC`: a JSON file naming the
+role); gRPC's I/O threads would not follow `Host.call`'s namespace switch. Processes meet
+through files in the run's work directory (a "go" file starts every timed phase at once).
+
+Usage: python bench/store_fleet_bench.py [--rows 1,2,3,4,5] [--tiny]
+(the full sizes take about 15 min on a quiet 2-core box; --tiny is a quick dry run).
+Needs root and network namespaces (docs/testbed.md). Writes bench/results/store_fleet_bench.json
+and .txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import inspect
+import json
+import os
+import platform
+import random
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Run as a script: make the `bench` package importable (appended: the repo root holds an
+# `operator/` directory that must not shadow the standard library).
+if __package__ in (None, ""):
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
+
+from bench.multihost_bench import BENCH_DIR, _met, metric_sum, render
+from mooncake_k8s.testbed import Testbed
+from mooncake_k8s.testbed.bed import Host
+from mooncake_k8s.testbed.cluster import http_ok
+
+MiB = 1 << 20
+GiB = 1 << 30
+RATE = "1gbit"
+LINK_BPS = 1e9 / 8
+CLI = [sys.executable, "-m", "mooncake_k8s.cli"]
+SELF = [sys.executable, str(Path(__file__).resolve())]
+
+
+@dataclass
+class Sizes:
+    """What each row moves (full: the issue's sizes; tiny: a dry run of every code path)."""
+
+    block: int = 64 * 46080
+    """One KV block: 64 tokens of SmolLM2-135M in float32."""
+    blocks: int = 64
+    read_s: float = 20.0
+    checkpoint: int = 512 * MiB
+    fetchers: int = 6
+    model_dir: str = ""
+    """Row 3's model directory ("" = the real model, prepared as `mooncake up` does)."""
+    later_pods: int = 3
+    pool: int = 256 * MiB
+    tenant_object: int = 1 * MiB
+    ssd_bytes: int = 1 * GiB
+    ssd_object: int = 4 * MiB
+    ssd_dram: int = 64 * MiB
+    timeout_s: float = 600.0
+
+    @staticmethod
+    def tiny() -> Sizes:
+        return Sizes(block=64 << 10, blocks=64, read_s=3.0, checkpoint=8 * MiB,
+                     model_dir="synthetic", later_pods=2, pool=32 * MiB,
+                     tenant_object=256 << 10, ssd_bytes=24 * MiB, ssd_object=512 << 10,
+                     ssd_dram=16 * MiB, timeout_s=120.0)
+
+
+# -- the bed --------------------------------------------------------------------------------
+
+
+@dataclass
+class Fleet:
+    """One row's bed: a master on host `master`, and whatever the row spawns on other hosts."""
+
+    bed: Testbed
+    work: Path
+    master_args: list[str] = field(default_factory=list)
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    port: int = field(default_factory=lambda: random.randrange(20000, 30000, 10))
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    args: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def master(self) -> str:
+        return f"{self.bed.hosts['master'].addr}:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "MOONCAKE_CLUSTER_TOKEN": self.token, "PYTHONUNBUFFERED": "1",
+                "MOONCAKE_LOG_FORMAT": "text", "PYTHONSAFEPATH": "1"}
+
+    def host(self, name: str) -> Host:
+        return self.bed.hosts.get(name) or self.bed.host(name, rate=RATE)
+
+    def spawn(self, name: str, host: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        self.args[name] = argv
+        p = self.host(host).spawn(argv, env=self.env(), log=self.work / f"{name}.log")
+        self.procs[name] = p
+        return p
+
+    def start_master(self) -> None:
+        m = self.host("master")
+        self.spawn("master", "master", [
+            *CLI, "store", "master", "--host", m.addr, "--port", str(self.port),
+            "--metrics-port", str(self.port + 1), "--recovery-grace-s", "0",
+            *self.master_args])
+        self.wait_http("master", f"http://{m.addr}:{self.port + 1}/metrics")
+
+    def store_node(self, name: str, host: str, dram: int, *extra: str) -> None:
+        """`mooncake store node` on `host` (its own process, as a storage pod), registered."""
+        h = self.host(host)
+        self.spawn(name, host, [
+            *CLI, "store", "node", "--master", self.master, "--host", h.addr,
+            "--node-id", name, "--dram-size", str(dram), "--no-prefault",
+            "--metrics-port", str(self.port + 2), *extra])
+        self.wait_registered(name, host)
+
+    def wait_registered(self, name: str, host: str, timeout: float = 60.0) -> float:
+        """Until node `name` on `host` counts a registration; the seconds it took."""
+        h, t0 = self.host(host), time.monotonic()
+        url = f"http://{h.addr}:{self.port + 2}/metrics"
+        while time.monotonic() - t0 < timeout:
+            self.check(name)
+            with contextlib.suppress(OSError):
+                if h.call(metric_sum, url, "mooncake_node_registrations_total") >= 1:
+                    return time.monotonic() - t0
+            time.sleep(0.1)
+        raise TimeoutError(f"{name} did not register; see {self.work / name}.log")
+
+    def wait_http(self, name: str, url: str, timeout: float = 60.0) -> None:
+        host = self.host("master") if name == "master" else self.host(name)
+        deadline = time.monotonic() + timeout
+        while not host.call(http_ok, url):
+            self.check(name)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} not up; see {self.work / name}.log")
+            time.sleep(0.1)
+
+    def check(self, name: str) -> None:
+        p = self.procs[name]
+        if p.poll() is not None:
+            raise RuntimeError(f"{name} exited with {p.returncode}: {self.tail(name)}")
+
+    def tail(self, name: str, n: int = 600) -> str:
+        with contextlib.suppress(OSError):
+            return (self.work / f"{name}.log").read_text(errors="replace")[-n:].strip()
+        return ""
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        p = self.procs[name]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, sig)
+        p.wait(timeout=30)
+
+    # -- workers (this file's --worker mode, on a host) ----------------------------------------
+
+    def worker(self, name: str, host: str, role: str, **params: Any) -> None:
+        spec = {"role": role, "name": name, "master": self.master, "token": self.token,
+                "addr": self.host(host).addr, "work": str(self.work), **params}
+        path = self.work / f"{name}.spec.json"
+        path.write_text(json.dumps(spec))
+        self.spawn(name, host, [*SELF, "--worker", str(path)])
+
+    def go(self) -> None:
+        (self.work / "go").write_text(str(time.time()))
+
+    def result(self, name: str, timeout: float) -> dict[str, Any]:
+        """The worker's result file (waits for it; fails when the worker died first)."""
+        path, deadline = self.work / f"{name}.result.json", time.monotonic() + timeout
+        while not path.exists():
+            p = self.procs[name]
+            if p.poll() is not None and not path.exists():
+                raise RuntimeError(f"worker {name} exited {p.returncode}: {self.tail(name)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {name}: no result in {timeout:.0f}s")
+            time.sleep(0.05)
+        out: dict[str, Any] = json.loads(path.read_text())
+        return out
+
+    def wait_ready(self, names: list[str], timeout: float) -> None:
+        for n in names:
+            path, deadline = self.work / f"{n}.ready", time.monotonic() + timeout
+            while not path.exists():
+                self.check(n)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"worker {n} not ready: {self.tail(n)}")
+                time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def fleet(label: str, master_args: list[str] | None = None):  # type: ignore[no-untyped-def]
+    work = Path(tempfile.mkdtemp(prefix=f"fleet-{label}-"))
+    with Testbed() as bed:
+        f = Fleet(bed, work, list(master_args or []))
+        f.start_master()
+        try:
+            yield f
+        finally:
+            (work / "stop").write_text("")
+
+
+# -- features present? (other work lands while this is written: each row adapts) -----------
+
+
+def cli_help(*cmd: str) -> str:
+    r = subprocess.run([*CLI, *cmd, "--help"], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONSAFEPATH": "1"})
+    return r.stdout if r.returncode == 0 else ""
+
+
+def fanout_args(on: bool) -> list[str] | None:
+    """The master's fan-out switch, on or off; None when the master has none."""
+    text = cli_help("store", "master")
+    for opt in ("--fanout", "--hot-fanout", "--fan-out"):
+        if f"{opt} / --no-{opt[2:]}" in text or f"{opt}/--no-{opt[2:]}" in text:
+            return [opt if on else f"--no-{opt[2:]}"]
+    return None
+
+
+def quota_args(tenant: str, quota: int) -> list[str] | None:
+    """The master's flag giving `tenant` a quota of `quota` bytes; None when it has none."""
+    text = cli_help("store", "master")
+    for opt in ("--tenant-quota", "--quota"):
+        if opt + " " in text:
+            return [opt, f"{tenant}={quota}"]
+    return None
+
+
+def tenant_put_ok() -> bool:
+    from mooncake_k8s.store.client.client import StoreClient
+
+    return "tenant" in inspect.signature(StoreClient.batch_put).parameters
+
+
+def p2p_present() -> bool:
+    return bool(cli_help("p2p"))
+
+
+# -- rows -----------------------------------------------------------------------------------
+
+
+def row_hot(sz: Sizes, echo: Callable[[str], None]) -> dict[str, Any]:
+    """Row 1: the aggregate read rate of 6 readers on 3 hosts, fan-out off and on."""
+    out: dict[str, Any] = {"blocks": sz.blocks, "block_bytes": sz.block}
+    configs = [("off", fanout_args(False)), ("on", fanout_args(True))]
+    for label, margs in configs:
+        if margs is None:
+            out[label] = {"not_measured": "the master has no fan-out switch"}
+            if label == "off":
+                out[label] = _hot_run(sz, [], echo)  # no switch = no fan-out: the baseline
+                out[label]["note"] = "master without fan-out"
+            continue
+        out[label] = _hot_run(sz, margs, echo)
+    return out
+
+
+def _hot_run(sz: Sizes, margs: list[str], echo: Callable[[str], None]) -> dict[str, Any]:
+    echo(f"  [hot] master {' '.join(margs) or '(defaults)'}")
+    seg = sz.block * sz.blocks * 2 + 16 * MiB
+    with fleet("hot", margs) as f:
+        f.worker("src", "src", "hold", node_dram=seg, keys=sz.blocks, size=sz.block)
+        f.wait_ready(["src"], sz.timeout_s)
+        readers = [f"r{i}" for i in range(3)]
+        for r in readers:
+            f.worker(r, r, "read", node_dram=seg, clients=2, keys=sz.blocks, size=sz.block,
+                     duration=sz.read_s)
+        f.wait_ready(readers, sz.timeout_s)
+        before = f.bed.counters()
+        f.go()
+        res = {r: f.result(r, sz.timeout_s + sz.read_s) for r in readers}
+        after = f.bed.counters()
+    total = sum(r["bytes"] for r in res.values())
+    secs = max(r["seconds"] for r in res.values())
+    run = {"readers": res, "bytes": total, "seconds": secs, "rate_Bps": total / secs,
+           "src_sent": after["src"][0] - before["src"][0],
+           "wrong": sum(r["wrong"] for r in res.values())}
+    echo(f"    aggregate {run['rate_Bps'] / MiB:.1f} MiB/s, src sent "
+         f"{run['src_sent'] / MiB:.1f} MiB, wrong {run['wrong']}")
+    return run
+
+
+def make_dir(path: Path, total: int, files: int = 4) -> None:
+    """A checkpoint-like directory of `files` files of random bytes, `total` in all."""
+    path.mkdir(parents=True, exist_ok=True)
+    each = total // files
+    for i in range(files):
+        with open(path / f"shard-{i:02d}.bin", "wb") as fh:
+            left = each
+            while left:
+                n = min(left, 8 * MiB)
+                fh.write(os.urandom(n))
+                left -= n
+
+
+def row_checkpoint(sz: Sizes, echo: Callable[[str], None]) -> dict[str, Any]:
+    """Row 2: time until all fetchers have the checkpoint: P2P vs the source alone."""
+    work = Path(tempfile.mkdtemp(prefix="fleet-ckpt-"))
+    src = work / "checkpoint"
+    make_dir(src, sz.checkpoint)
+    out: dict[str, Any] = {"bytes": _dir_bytes(src), "fetchers": sz.fetchers}
+    hosts = [f"h{i}" for i in range(sz.fetchers)]
+    echo("  [checkpoint] source alone")
+    out["source"] = _fetch_run(sz, src, [hosts], "http", echo)
+    out["p2p"] = (_fetch_run(sz, src, [hosts], "p2p", echo) if p2p_present()
+                  else {"not_measured": "no `mooncake p2p` command"})
+    shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def row_model(sz: Sizes, echo: Callable[[str], None]) -> dict[str, Any]:
+    """Row 3: a pod's model: the first pod from the source, later pods through P2P or the
+    source (the later ones at once, as a scale-out does)."""
+    if sz.model_dir == "synthetic":
+        model = Path(tempfile.mkdtemp(prefix="fleet-model-")) / "model"
+        make_dir(model, sz.checkpoint // 2, files=3)
+    else:
+        from mooncake_k8s.up import UpConfig, prepare_model
+
+        model = Path(prepare_model(UpConfig(), echo))
+        if model.is_file():
+            model = model.parent
+    out: dict[str, Any] = {"model": str(model), "bytes": _dir_bytes(model)}
+    waves = [["pod0"], [f"pod{i + 1}" for i in range(sz.later_pods)]]
+    echo("  [model] from the source")
+    out["source"] = _fetch_run(sz, model, waves, "http", echo)
+    out["p2p"] = (_fetch_run(sz, model, waves, "p2p", echo) if p2p_present()
+                  else {"not_measured": "no `mooncake p2p` command"})
+    return out
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _fetch_run(sz: Sizes, src: Path, waves: list[list[str]], how: str,
+               echo: Callable[[str], None]) -> dict[str, Any]:
+    """Each wave of hosts fetches `src` at once (after the previous wave): per host seconds
+    from the common start to its last byte, and bytes verified."""
+    with fleet(f"fetch-{how}") as f:
+        if how == "http":
+            f.worker("src", "src", "http_serve", dir=str(src))
+        else:
+            f.store_node("src-node", "src", 64 * MiB)
+            f.worker("src", "src", "cmd", argv=[*CLI, "p2p", "publish", str(src), "ckpt",
+                                                "--master", f.master], after_go=False)
+        f.wait_ready(["src"], sz.timeout_s)
+        if how == "p2p":
+            f.result("src", sz.timeout_s)
+        waves_out = []
+        for n, wave in enumerate(waves):
+            with contextlib.suppress(FileNotFoundError):
+                (f.work / "go").unlink()
+            for h in wave:
+                dest = f.work / f"{h}-dir"
+                if how == "http":
+                    url = f"http://{f.host('src').addr}:{f.port + 5}"
+                    f.worker(h, h, "http_get", url=url, dir=str(dest), files=_manifest(src))
+                else:
+                    f.store_node(f"{h}-node", h, 64 * MiB)
+                    f.worker(h, h, "cmd", argv=[*CLI, "p2p", "get", "ckpt", str(dest),
+                                                "--master", f.master], after_go=True)
+            f.wait_ready(wave, sz.timeout_s)
+            f.go()
+            res = {h: f.result(h, sz.timeout_s) for h in wave}
+            for h in wave:
+                res[h]["verified"] = _same_dir(src, f.work / f"{h}-dir")
+            secs = max(r["seconds"] for r in res.values())
+            echo(f"    {how} wave {n}: all {len(wave)} in {secs:.2f}s, verified "
+                 f"{sum(r['verified'] for r in res.values())}/{len(wave)}")
+            waves_out.append({"hosts": res, "all_s": secs})
+    return {"waves": waves_out}
+
+
+def _manifest(src: Path) -> list[str]:
+    return sorted(str(p.relative_to(src)) for p in src.rglob("*") if p.is_file())
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    names = _manifest(a)
+    if not b.exists() or _manifest(b) != names:
+        return False
+    return all(_same_file(a / n, b / n) for n in names)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        while True:
+            x, y = fa.read(4 * MiB), fb.read(4 * MiB)
+            if x != y:
+                return False
+            if not x:
+                return True
+
+
+def row_tenants(sz: Sizes, echo: Callable[[str], None]) -> dict[str, Any]:
+    """Row 4: tenant B's hit rate on its working set (40% of the pool): alone, with tenant A
+    putting 3x its quota (40% of the pool) without quotas, and with quotas."""
+    quota = int(sz.pool * 0.4)
+    out: dict[str, Any] = {"pool": sz.pool, "quota_a": quota, "working_set_b": quota}
+    out["alone"] = _tenant_run(sz, [], 0, echo)
+    out["no_quota"] = _tenant_run(sz, [], 3 * quota, echo)
+    margs = quota_args("a", quota)
+    if margs is None or not tenant_put_ok():
+        out["quota"] = {"not_measured": "no quota setting on the master"
+                        if margs is None else "puts carry no tenant"}
+    else:
+        out["quota"] = _tenant_run(sz, [*margs, *(quota_args("b", quota) or [])], 3 * quota,
+                                   echo)
+    return out
+
+
+def _tenant_run(sz: Sizes, margs: list[str], flood: int,
+                echo: Callable[[str], None]) -> dict[str, Any]:
+    echo(f"  [tenants] flood {flood / MiB:.0f} MiB, master {' '.join(margs) or '(defaults)'}")
+    with fleet("tenants", margs) as f:
+        f.store_node("pool", "store", sz.pool)
+        n_b = int(sz.pool * 0.4) // sz.tenant_object
+        tenant = tenant_put_ok()
+        f.worker("b", "tenant-b", "tenant_b", keys=n_b, size=sz.tenant_object,
+                 tenant="b" if tenant else "")
+        f.worker("a", "tenant-a", "flood", bytes=flood, size=sz.tenant_object,
+                 tenant="a" if tenant else "")
+        f.wait_ready(["b", "a"], sz.timeout_s)
+        f.go()
+        a = f.result("a", sz.timeout_s)
+        (f.work / "flood-done").write_text("")
+        b = f.result("b", sz.timeout_s)
+    echo(f"    B hit rate during {b['during_hit']:.3f}, after {b['after_hit']:.3f}; "
+         f"A put {a['acked']}/{a['puts']}")
+    return {"b": b, "a": a}
+
+
+def row_restart(sz: Sizes, echo: Callable[[str], None]) -> dict[str, Any]:
+    """Row 5: SIGKILL a node holding `ssd_bytes` on SSD, start it again on the same directory:
+    the objects served again and the time until the master lists them."""
+    n = sz.ssd_bytes // sz.ssd_object
+    with fleet("restart") as f:
+        ssd = f.work / "ssd"
+        ssd_args = ["--ssd-dir", str(ssd), "--ssd-size", str(int(sz.ssd_bytes * 1.25))]
+        f.store_node("node", "store", sz.ssd_dram, *ssd_args)
+        f.worker("fill", "client", "fill", keys=n, size=sz.ssd_object)
+        fill = f.result("fill", sz.timeout_s)
+        echo(f"  [restart] {fill['acked']} objects put, SSD used {fill['ssd_used'] / MiB:.0f} MiB"
+             f" of them, DRAM {fill['dram_used'] / MiB:.0f} MiB")
+        f.kill("node")
+        t0 = time.time()
+        f.spawn("node", "store", f.args["node"])
+        f.worker("check", "client", "check", keys=n, size=sz.ssd_object, t0=t0,
+                 settle_s=min(30.0, sz.timeout_s / 4))
+        time.sleep(1.0)
+        started = f.procs["node"].poll() is None
+        chk = f.result("check", sz.timeout_s)
+        if f.procs["node"].poll() is not None:
+            started = False
+        out = {"objects": n, "fill": fill, "check": chk, "node_started": started,
+               "node_log_tail": "" if started else f.tail("node", 400)}
+    echo(f"    node {'started' if started else 'did NOT start'}; listed again "
+         f"{chk['listed']}, served verified {chk['verified']} (wrong {chk['wrong']}), "
+         f"re-adopted in {chk['adopt_s']}")
+    return out
+
+
+ROWS: dict[int, tuple[str, Callable[[Sizes, Callable[[str], None]], dict[str, Any]]]] = {
+    1: ("hot", row_hot), 2: ("checkpoint", row_checkpoint), 3: ("model", row_model),
+    4: ("tenants", row_tenants), 5: ("restart", row_restart)}
+
+
+# -- the table ------------------------------------------------------------------------------
+
+
+def table(res: dict[str, Any]) -> list[list[str]]:
+    """The issue's table from whatever rows ran; a failed or missing row says why."""
+    rows = [["measure", "target", "ours", "baseline", "met"]]
+    for name, fn in TABLE_ROWS:
+        if name not in res:
+            continue
+        if "error" in res[name]:
+            rows.append([name, "-", NM + res[name]["error"][:120], "-", "-"])
+            continue
+        try:
+            rows.append(fn(res[name]))
+        except (KeyError, TypeError, ZeroDivisionError) as e:
+            rows.append([name, "-", f"{NM}incomplete result ({e!r})", "-", "-"])
+    return rows
+
+
+NM = "not measured: "
+
+
+def _why(d: dict[str, Any]) -> str:
+    return NM + str(d.get("not_measured", d.get("error", "?")))
+
+
+def _t_hot(h: dict[str, Any]) -> list[str]:
+    base, on = h["off"].get("rate_Bps"), h["on"].get("rate_Bps")
+    b = f"{base / MiB:.0f} MiB/s" if base else _why(h["off"])
+    o = f"{on / MiB:.0f} MiB/s ({on / base:.2f}x)" if on and base else _why(h["on"])
+    return ["6 readers/3 hosts, hot 64-block prefix on one host, 1 Gbit/s: aggregate rate, "
+            "fan-out vs none", ">= 2x", o, b, _met(on / base >= 2) if on and base else "-"]
+
+
+def _t_checkpoint(c: dict[str, Any]) -> list[str]:
+    ideal = c["bytes"] / LINK_BPS
+
+    def all_s(d: dict[str, Any]) -> str:
+        if "waves" not in d:
+            return _why(d)
+        s = d["waves"][0]["all_s"]
+        return f"{s:.1f}s = {s / ideal:.1f}x size/rate"
+    p2p = c["p2p"].get("waves")
+    return [f"{c['fetchers']} hosts fetch {c['bytes'] / MiB:.0f} MiB from one source, 1 Gbit/s: "
+            "time until all have it", "<= 2x size/rate", all_s(c["p2p"]), all_s(c["source"]),
+            _met(p2p[0]["all_s"] <= 2 * ideal) if p2p else "-"]
+
+
+def _t_model(m: dict[str, Any]) -> list[str]:
+    def later(d: dict[str, Any]) -> str:
+        if "waves" not in d:
+            return _why(d)
+        times = [r["seconds"] for r in d["waves"][1]["hosts"].values()]
+        return (f"later pods {min(times):.1f}-{max(times):.1f}s "
+                f"(first {d['waves'][0]['all_s']:.1f}s)")
+    return [f"a pod's model ({m['bytes'] / MiB:.0f} MiB) through P2P vs from the source, "
+            "second and later pods", "report", later(m["p2p"]), later(m["source"]), "-"]
+
+
+def _t_tenants(t: dict[str, Any]) -> list[str]:
+    def hit(d: dict[str, Any]) -> float | None:
+        return float(d["b"]["after_hit"]) if "b" in d else None
+    alone, flood, q = hit(t["alone"]), hit(t["no_quota"]), hit(t["quota"])
+    o = f"{q:.3f} (alone {alone:.3f})" if q is not None and alone is not None else \
+        _why(t["quota"])
+    b = f"{flood:.3f} (alone {alone:.3f})" if flood is not None and alone is not None \
+        else _why(t["no_quota"])
+    return ["tenant A puts 3x its quota: tenant B's hit rate on its working set",
+            "within 5% of B alone", o, b,
+            _met(alone - q <= 0.05 * alone) if q is not None and alone else "-"]
+
+
+def _t_restart(r: dict[str, Any]) -> list[str]:
+    ck = r["check"]
+    adopt = f"{ck['adopt_s']:.1f}s" if ck["adopt_s"] is not None else "never"
+    o = (f"{ck['verified']}/{r['fill']['acked']} objects served verified ({ck['wrong']} "
+         f"wrong), re-adopted in {adopt}" if r["node_started"]
+         else f"node did not start: {r['node_log_tail'][-160:]}")
+    return [f"node restarted with {r['fill']['ssd_used'] / MiB:.0f} MiB on SSD: objects served "
+            "again, time to re-adopt", "all verified ones; report", o, "-", "-"]
+
+
+TABLE_ROWS: list[tuple[str, Callable[[dict[str, Any]], list[str]]]] = [
+    ("hot", _t_hot), ("checkpoint", _t_checkpoint), ("model", _t_model),
+    ("tenants", _t_tenants), ("restart", _t_restart)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--rows", default="1,2,3,4,5")
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes: a dry run")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(BENCH_DIR / "results" / "store_fleet_bench"))
+    args = ap.parse_args()
+    if args.worker:
+        from bench.store_fleet_worker import run_worker
+
+        return run_worker(Path(args.worker))
+    sz = Sizes.tiny() if args.tiny else Sizes()
+    res: dict[str, Any] = {
+        "bench": "store_fleet_bench", "date": datetime.datetime.now(datetime.UTC).isoformat(),
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, "
+                   f"kernel {platform.release()}", "tiny": args.tiny,
+        "sizes": sz.__dict__, "commit": _commit()}
+    for n in (int(x) for x in args.rows.split(",")):
+        name, fn = ROWS[n]
+        print(f"[row {n}] {name}")
+        try:
+            res[name] = fn(sz, print)
+        except Exception as e:  # one row's failure is reported, the others still run
+            print(f"  row {n} failed: {e!r}")
+            res[name] = {"error": f"{type(e).__name__}: {e}"[:400]}
+    try:
+        text = render(table(res))
+    except Exception as e:  # a row's result missing a field: keep the JSON anyway
+        text = f"(table failed: {e!r})"
+    print(text)
+    Path(args.out + ".json").write_text(json.dumps(res, indent=2, default=str) + "\n")
+    Path(args.out + ".txt").write_text(f"{res['machine']}, {res['date']}, commit "
+                                       f"{res['commit']}{' (tiny)' if args.tiny else ''}"
+                                       f"\n\n{text}\n")
+    return 0
+
+
+def _commit() -> str:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=BENCH_DIR, timeout=10).stdout.strip()
+    return "?"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
