@@ -1,0 +1,196 @@
+"""Publish a directory to the P2P store and fetch it from peers.
+
+Keys: `p2p/<name>#manifest` holds the current manifest (`manifest.Manifest.encode`), and chunk
+i of the manifest with digest D is `p2p/<name>#<D[:16]>/<i>` (a chunk's key names the manifest
+it belongs to, so a republished directory never mixes with the old one's chunks).
+
+`get` is resumable and idempotent: files are written into `<file>.p2p-part` at each chunk's
+offset and renamed into place once every chunk of the file is written (after fsync), and a
+rerun verifies what is there already (a complete file, or the chunks of a part file) against
+the manifest before fetching only what is missing or wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+
+from mooncake_k8s.common.errors import InvalidArgument, ObjectExists, ObjectNotFound, StoreError
+from mooncake_k8s.store.client.client import StoreClient
+from mooncake_k8s.store.p2p.holders import Counters, Holders
+from mooncake_k8s.store.p2p.manifest import (
+    DEFAULT_CHUNK,
+    FileEntry,
+    Manifest,
+    build,
+    check_name,
+    chunk_digest,
+    decode,
+)
+
+log = logging.getLogger(__name__)
+PART = ".p2p-part"
+
+
+def manifest_key(name: str) -> str:
+    return f"p2p/{check_name(name)}#manifest"
+
+
+def chunk_key(man: Manifest, index: int) -> str:
+    return f"p2p/{man.name}#{man.digest[:16]}/{index}"
+
+
+def _own_segment(client: StoreClient) -> str:
+    """A DRAM segment on this client's host (most free room first), or "" when none."""
+    mine = [s for s in client.segments() if s.host_id == client._host_id and s.tier == "dram"]
+    mine.sort(key=lambda s: s.used - s.size)
+    return mine[0].name if mine else ""
+
+
+def publish(directory: str | os.PathLike[str], name: str, *, client: StoreClient,
+            chunk_size: int = DEFAULT_CHUNK, batch: int = 8) -> Manifest:
+    """Cut every file under `directory` into chunks, store the chunks (this host's storage
+    node first: the store's local-first placement), then the manifest, and pin both so the
+    source is never evicted. Idempotent: chunks already stored are left alone; a different
+    directory under the same name replaces the manifest (old chunks stay until removed)."""
+    man = build(directory, name, chunk_size)
+    root = Path(directory)
+    todo = [(i, f, off) for f in man.files for i, off, _ in man.chunks_of(f)]
+    keys = [chunk_key(man, i) for i, _, _ in todo]
+    for start in range(0, len(todo), batch):
+        part = todo[start:start + batch]
+        pkeys = keys[start:start + batch]
+        have = client.exists(pkeys)
+        datas, put_keys = [], []
+        for (i, f, off), k, h in zip(part, pkeys, have, strict=True):
+            if h:
+                continue
+            data = _read_at(root / f.path, off, man.chunks[i].size)
+            if chunk_digest(data) != man.chunks[i].digest:
+                raise StoreError(f"{f.path!r} changed while it was being published")
+            datas.append(data)
+            put_keys.append(k)
+        errs = client.batch_put(put_keys, datas, replicas=1) if put_keys else []
+        for k, e in zip(put_keys, errs, strict=True):
+            if e is not None and not isinstance(e, ObjectExists):
+                raise StoreError(f"publishing chunk {k!r}: {e}") from e
+        client.pin(pkeys)
+    _put_manifest(client, man)
+    log.info("p2p published", extra={"p2p_name": name, "files": len(man.files),
+                                      "chunks": len(man.chunks), "bytes": man.total_bytes})
+    return man
+
+
+def _read_at(path: Path, offset: int, size: int) -> bytes:
+    with open(path, "rb") as fh:
+        fh.seek(offset)
+        return fh.read(size)
+
+
+def _put_manifest(client: StoreClient, man: Manifest) -> None:
+    key = manifest_key(man.name)
+    raw = man.encode()
+    try:
+        client.put(key, raw, replicas=1)
+    except ObjectExists:
+        if bytes(client.get(key)) == raw:
+            client.pin([key])
+            return
+        client.remove(key, force=True)
+        client.put(key, raw, replicas=1)
+    client.pin([key])
+
+
+def load_manifest(client: StoreClient, name: str) -> Manifest:
+    """The current manifest of `name`; ObjectNotFound when nothing is published under it."""
+    try:
+        raw = client.get(manifest_key(name))
+    except ObjectNotFound:
+        raise ObjectNotFound(f"nothing is published under p2p name {name!r}") from None
+    return decode(raw)
+
+
+@dataclass
+class GetResult:
+    manifest: Manifest
+    counters: Counters
+
+
+def get(name: str, directory: str | os.PathLike[str], *, client: StoreClient,
+        parallel: int = 8, keep: bool = True,
+        on_chunk: Callable[[int], None] | None = None) -> GetResult:
+    """Fetch `name` into `directory` from every host that holds its chunks, `parallel` chunks
+    at a time, verifying each against the manifest before writing it; with `keep`, each chunk
+    fetched from another host is added as a replica on this host's storage node, so this host
+    serves it to later fetchers. `on_chunk(index)` is called after each chunk is written
+    (progress; tests use it to kill a holder mid-transfer)."""
+    if parallel < 1:
+        raise InvalidArgument(f"parallel must be >= 1, got {parallel}")
+    man = load_manifest(client, name)
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    counters = Counters()
+    holders = Holders(client, _own_segment(client) if keep else "", counters)
+    with ThreadPoolExecutor(parallel, thread_name_prefix="p2p-get") as pool:
+        for f in man.files:
+            _get_file(man, f, root, holders, pool, on_chunk)
+    log.info("p2p fetched", extra={"p2p_name": name, "chunks": counters.fetched,
+                                    "reused": counters.reused, "corrupt": counters.corrupt})
+    return GetResult(man, counters)
+
+
+def _get_file(man: Manifest, f: FileEntry, root: Path, holders: Holders,
+              pool: ThreadPoolExecutor, on_chunk: Callable[[int], None] | None) -> None:
+    """Fetch one file's missing chunks into its part file, then rename it into place."""
+    final = root / f.path
+    if final.is_file() and _verified(man, f, final, holders.counters) == set(range(f.count)):
+        os.chmod(final, f.mode)
+        return
+    final.parent.mkdir(parents=True, exist_ok=True)
+    part = final.with_name(final.name + PART)
+    have = _verified(man, f, part, holders.counters) if part.is_file() else set()
+    fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, f.size)
+        lock = threading.Lock()
+
+        def one(n: int) -> None:
+            index, off, chunk = f.first + n, n * man.chunk_size, man.chunks[f.first + n]
+            buf = memoryview(bytearray(chunk.size))
+            holders.fetch(chunk_key(man, index), index, chunk, buf)
+            with lock:
+                os.pwrite(fd, buf, off)
+            if on_chunk is not None:
+                on_chunk(index)
+
+        futs = [pool.submit(one, n) for n in range(f.count) if n not in have]
+        done, _ = wait(futs, return_when=FIRST_EXCEPTION)
+        for fut in futs:
+            fut.cancel()
+        wait(futs)  # none still writes to fd once it is closed
+        for fut in done:
+            fut.result()  # the first failure, if any
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.chmod(part, f.mode)
+    os.replace(part, final)
+
+
+def _verified(man: Manifest, f: FileEntry, path: Path, counters: Counters) -> set[int]:
+    """Chunks of `f` (by position in the file) that `path` already holds, verified."""
+    if path.stat().st_size != f.size:
+        return set()
+    good = set()
+    with open(path, "rb") as fh:
+        for n, (_, off, chunk) in enumerate(man.chunks_of(f)):
+            fh.seek(off)
+            if chunk_digest(fh.read(chunk.size)) == chunk.digest:
+                good.add(n)
+    counters.add(reused=len(good))
+    return good

@@ -1,0 +1,115 @@
+"""Reading one chunk from the hosts that hold it: the P2P store's data path.
+
+Who holds what is the store master's replica list: a chunk is a store object, the publisher's
+storage node holds its first replica and every fetcher adds one on its own host's node
+(`ReplicaStart`/`ReplicaEnd`, the client's `Keeper`). So there is no second tracker to keep
+consistent with the bytes: a holder that dies drops out of the list when the master notices,
+and a replica the master lists is one a node really has.
+
+This module reads a chunk from a holder the P2P layer picks (spread over the holders by chunk
+index, this host's own first), verifying it against the manifest's digest rather than trusting
+the transport; it uses the StoreClient's lookup, transfer engine and keeper directly because
+the client's own reads always pick the nearest replica, which would send every fetcher to the
+same holder.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+
+from mooncake_k8s.common.errors import StoreError, TransferError
+from mooncake_k8s.store.client.client import StoreClient
+from mooncake_k8s.store.p2p.manifest import Chunk, chunk_digest
+from mooncake_k8s.store.wire import Location, ObjectInfo
+from mooncake_k8s.transfer import ReadOp
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Counters:
+    """What one fetch did; `by_host` counts chunks read from each holder's host."""
+
+    fetched: int = 0
+    reused: int = 0
+    corrupt: int = 0
+    failed_reads: int = 0
+    kept: int = 0
+    by_host: dict[str, int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **kw: int) -> None:
+        with self.lock:
+            for k, v in kw.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def read_from(self, host: str) -> None:
+        with self.lock:
+            self.fetched += 1
+            self.by_host[host] = self.by_host.get(host, 0) + 1
+
+
+class Holders:
+    """Chunk reads for one fetcher. `keep_on` is a segment on this host to add a replica of
+    each fetched chunk to ("" keeps nothing), so the fetcher serves what it fetched."""
+
+    def __init__(self, client: StoreClient, keep_on: str, counters: Counters) -> None:
+        self.client = client
+        self.keep_on = keep_on
+        self.counters = counters
+        self.host = client._host_id
+
+    def order(self, info: ObjectInfo, index: int) -> list[Location]:
+        """This host's replicas first, then the others rotated by chunk index so that
+        concurrent chunks (and fetchers) spread over every holder."""
+        mine = [loc for loc in info.replicas if loc.peer.host_id == self.host]
+        others = sorted((loc for loc in info.replicas if loc.peer.host_id != self.host),
+                        key=lambda loc: loc.segment.name)
+        if others:
+            k = index % len(others)
+            others = others[k:] + others[:k]
+        return mine + others
+
+    def fetch(self, key: str, index: int, chunk: Chunk, buf: memoryview,
+              rounds: int = 3) -> None:
+        """Fill `buf` with the chunk's verified bytes or raise StoreError; each round asks
+        the master for the current holders and tries each once."""
+        why = "not published"
+        for _ in range(rounds):
+            info = self.client._lookup([key], use_cache=False)[0]
+            if info is None:
+                break
+            if info.size != chunk.size:
+                raise StoreError(f"p2p chunk {key!r} is {info.size} bytes, manifest says "
+                                 f"{chunk.size}: republished under the same name?")
+            for loc in self.order(info, index):
+                why = self._read(loc, chunk, buf)
+                if not why:
+                    self.counters.read_from(loc.peer.host_id)
+                    self._keep(key, info, loc, buf)
+                    return
+        raise StoreError(f"p2p chunk {index} ({key!r}): no holder served it ({why})")
+
+    def _read(self, loc: Location, chunk: Chunk, buf: memoryview) -> str:
+        """Read one replica into `buf` and verify it; "" on success, else why not."""
+        try:
+            self.client.engine.read(loc.peer, [ReadOp(loc.segment, loc.offset, buf)])
+        except TransferError as e:
+            self.client._failed(loc.peer)
+            self.counters.add(failed_reads=1)
+            log.info("p2p holder failed", extra={"holder": loc.segment.name, "error": str(e)})
+            return f"{loc.segment.name}: {e}"
+        if chunk_digest(buf) != chunk.digest:
+            self.counters.add(corrupt=1)
+            log.warning("p2p chunk failed verification", extra={"holder": loc.segment.name})
+            return f"{loc.segment.name}: bytes do not match the manifest"
+        return ""
+
+    def _keep(self, key: str, info: ObjectInfo, loc: Location, buf: memoryview) -> None:
+        """Add a replica on this host (never fails the fetch: the keeper counts failures)."""
+        if not self.keep_on or any(r.peer.host_id == self.host for r in info.replicas):
+            return
+        if self.client._keeper.keep(self.keep_on, [(key, info, buf)]):
+            self.counters.add(kept=1)
