@@ -23,6 +23,9 @@ from mooncake_k8s.common.errors import StoreError
 from mooncake_k8s.common.netutil import free_port
 from mooncake_k8s.common.procs import Proc
 from mooncake_k8s.store.client.client import StoreClient
+from mooncake_k8s.store.client.masterlink import parse_masters
+from mooncake_k8s.store.node.server import segment_tag
+from mooncake_k8s.transfer.segments import reap_stale
 
 
 @dataclass
@@ -102,9 +105,12 @@ class LocalCluster:
         proc.popen.wait(timeout=15)
 
     def stop(self) -> None:
+        """Stop every process, then remove the shared-memory files of nodes that were killed
+        (`kill -9` leaves them; no live owner holds them any more)."""
         for proc in [*self.nodes.values(), *([self.master] if self.master else [])]:
             if proc.alive():
                 self.kill(proc, signal.SIGTERM)
+        reap_stale(segment_tag(parse_masters(self.master_address)))
 
     def __enter__(self) -> Self:
         return self

@@ -26,13 +26,18 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from mooncake_k8s.common import auth
+from mooncake_k8s.common import auth, errors
 from mooncake_k8s.common.checksum import checksum
+from mooncake_k8s.common.errors import InvalidArgument
 from mooncake_k8s.common.metrics import serve_metrics
 from mooncake_k8s.common.netutil import local_host_id
 from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.store.client.masterlink import MasterLink
+from mooncake_k8s.store.node.ssd import Journal, Record, check_header
+from mooncake_k8s.store.wire import location
 from mooncake_k8s.transfer import Segment, Tier, TransferServer
+from mooncake_k8s.transfer.engine import TransferEngine
+from mooncake_k8s.transfer.ops import ReadOp
 from mooncake_k8s.transfer.rdma import RdmaInfoCollector
 
 log = logging.getLogger(__name__)
@@ -96,6 +101,11 @@ class _Metrics:
             "mooncake_node_copies_total", "Local copies (spill/promote) by result", ["result"],
             registry=registry,
         )
+        self.ssd_adopted = Counter(
+            "mooncake_node_ssd_adopted_objects_total",
+            "SSD objects re-adopted at start (bytes verified), and dropped (torn or altered)",
+            ["result"], registry=registry,
+        )
         self.registrations = Counter(
             "mooncake_node_registrations_total", "Registrations with a master", registry=registry
         )
@@ -125,6 +135,7 @@ class StorageNode:
         self.segments: dict[str, Segment] = {}
         self.inventory: dict[tuple[str, int], tuple[str, _Item]] = {}
         self._used: dict[str, int] = {}  # bytes per segment held by the inventory
+        self._journals: dict[str, Journal] = {}  # per SSD segment (see `ssd`)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._master_id = ""
@@ -140,22 +151,58 @@ class StorageNode:
         self._link = MasterLink(config.master, self._md, options=RECONNECT_OPTIONS)
         self._session_master = ""
         self._stream: Any = None
+        self._engine: TransferEngine | None = None  # fan-out copies from other nodes
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Create (or take over from a dead predecessor) the segments, re-adopt the SSD tier's
+        verified objects, and start serving. InvalidArgument when the SSD directory is another
+        node's or layout's, or a live process holds a segment of this node id."""
+        try:
+            self._open_segments()
+        except BaseException:
+            for seg in self.segments.values():
+                seg.close()
+            for journal in self._journals.values():
+                journal.close()
+            raise
+        self._serve()
+
+    def _open_segments(self) -> None:
         cfg = self.config
+        if cfg.ssd_dir and cfg.ssd_size > 0:
+            self._adopt_ssd(cfg.ssd_dir, f"{cfg.node_id}-ssd-0", cfg.ssd_size)
         per = cfg.dram_size // max(1, cfg.dram_segments)
         # Node ids are unique within a cluster, not on a host: the masters' addresses tag the
-        # shared-memory files, so another cluster's node of the same id keeps its own.
-        tag = hashlib.sha256(",".join(self._link.addresses).encode()).hexdigest()[:8]
+        # shared-memory files, so another cluster's node of the same id keeps its own. The
+        # names are stable, so a restarted node takes over its dead predecessor's file.
+        tag = segment_tag(self._link.addresses)
         for i in range(max(1, cfg.dram_segments)):
             self._add_segment(Segment.create_shm(f"{cfg.node_id}-dram-{i}", per, replace=True,
                                                  populate=cfg.prefault, tag=tag))
-        if cfg.ssd_dir and cfg.ssd_size > 0:
-            os.makedirs(cfg.ssd_dir, exist_ok=True)
-            ssd = Segment.create_file(f"{cfg.node_id}-ssd-0", cfg.ssd_dir, cfg.ssd_size)
-            self._add_segment(ssd)
+
+    def _adopt_ssd(self, directory: str, name: str, size: int) -> None:
+        """Map the SSD segment (the file a previous process left, or a new one) and put the
+        objects its journal lists whose bytes verify into the inventory."""
+        os.makedirs(directory, exist_ok=True)
+        check_header(directory, self.config.node_id, {name: size})
+        seg, adopted = Segment.adopt_file(name, directory, size)
+        self._add_segment(seg)
+        journal = self._journals[name] = Journal(directory, name)
+        kept, dropped = journal.recover(seg)
+        for r in kept:
+            self.inventory[(name, r.offset)] = (r.key, _Item(name, r.offset, r.size, r.checksum))
+            self._used[name] = self._used.get(name, 0) + r.size
+        self.metrics.ssd_adopted.labels("verified").inc(len(kept))
+        self.metrics.ssd_adopted.labels("dropped").inc(dropped)
+        if adopted:
+            log.info("SSD segment re-adopted", extra={
+                "segment": name, "objects": len(kept), "dropped": dropped,
+                "bytes": self._used.get(name, 0)})
+
+    def _serve(self) -> None:
+        cfg = self.config
         self._server = TransferServer(
             self.segments, cfg.host, cfg.port, cfg.token, on_bytes=self._on_bytes,
             on_event=lambda kind: self.metrics.handshakes.labels(kind).inc(),
@@ -191,10 +238,14 @@ class StorageNode:
         self._link.close()
         for t in self._threads:
             t.join(timeout=2)
+        if self._engine is not None:
+            self._engine.close()
         if self._server is not None:
             self._server.stop()
         for seg in self.segments.values():
             seg.close()
+        for journal in self._journals.values():
+            journal.close()
         log.info("storage node stopped", extra={"node_id": self.config.node_id})
 
     def _add_segment(self, seg: Segment) -> None:
@@ -306,11 +357,17 @@ class StorageNode:
                 self.inventory[(cmd.segment, cmd.offset)] = (cmd.key, item)
                 self._used[cmd.segment] = (self._used.get(cmd.segment, 0) + cmd.size
                                            - (old[1].size if old else 0))
+                journal = self._journals.get(cmd.segment)
+                if journal is not None:
+                    journal.committed(Record(cmd.key, cmd.offset, cmd.size, cmd.checksum))
         elif kind == pb.NodeCommand.FREED:
             with self._lock:
                 gone = self.inventory.pop((cmd.segment, cmd.offset), None)
                 if gone is not None:
                     self._used[cmd.segment] = self._used.get(cmd.segment, 0) - gone[1].size
+                journal = self._journals.get(cmd.segment)
+                if journal is not None:
+                    journal.freed(cmd.offset)
         elif kind == pb.NodeCommand.COPY:
             ok, err = self._copy(cmd)
             self.metrics.copies.labels("ok" if ok else "failed").inc()
@@ -325,6 +382,8 @@ class StorageNode:
 
     def _copy(self, cmd: pb.NodeCommand) -> tuple[bool, str]:
         """Local segment-to-segment copy, verified against the object's checksum."""
+        if cmd.HasField("src_replica"):
+            return self._fetch(cmd)
         src = self.segments.get(cmd.src_segment)
         dst = self.segments.get(cmd.segment)
         if src is None or dst is None:
@@ -337,11 +396,41 @@ class StorageNode:
             return False, "checksum mismatch after copy"
         return True, ""
 
+    def _fetch(self, cmd: pb.NodeCommand) -> tuple[bool, str]:
+        """Fan-out: read the object from its replica on another node (transfer engine, shared
+        memory on the same host, TCP otherwise) into our segment, verified by its checksum."""
+        dst = self.segments.get(cmd.segment)
+        n = cmd.size
+        if dst is None:
+            return False, f"unknown segment {cmd.segment!r}"
+        if cmd.offset + n > dst.desc.size:
+            return False, "copy out of bounds"
+        if self._engine is None:
+            self._engine = TransferEngine(self.config.token, host_id=self.config.host_id,
+                                          connections_per_peer=1)
+        loc = location(cmd.src_replica)
+        view = dst.buf[cmd.offset : cmd.offset + n]
+        try:
+            sums = self._engine.read(loc.peer, [ReadOp(loc.segment, loc.offset, view)],
+                                     with_checksum=True)
+        except (errors.TransferError, ValueError) as e:
+            self._engine.forget(loc.peer)
+            return False, f"reading from {loc.peer.node_id}: {e}"
+        got = sums[0] if sums else checksum(view)
+        if cmd.checksum and got != cmd.checksum:
+            return False, "checksum mismatch after copy"
+        return True, ""
+
     def _refresh_usage_metrics(self) -> None:
         for name, used in self._usage().items():
             seg = self.segments[name]
             self.metrics.used.labels(name, seg.desc.tier.value).set(used)
         self.metrics.objects.set(len(self.inventory))
+
+
+def segment_tag(masters: list[str]) -> str:
+    """The tag of a cluster's shared-memory files: a digest of its masters' addresses."""
+    return hashlib.sha256(",".join(masters).encode()).hexdigest()[:8]
 
 
 def _always(_e: grpc.RpcError, _method: str) -> bool:
@@ -358,7 +447,11 @@ def run_node(config: NodeConfig) -> None:
 
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
-    node.start()
+    try:
+        node.start()
+    except InvalidArgument as e:  # a refused directory or segment: say why, no traceback
+        log.error("storage node cannot start: %s", e)
+        raise SystemExit(f"error: {e}") from None
     try:
         while not done.wait(0.5):
             pass
