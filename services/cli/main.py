@@ -23,6 +23,7 @@ from mooncake_k8s.cli.options import (  # noqa: F401 (re-exported for tests and 
     _with_logs,
     parse_size,
 )
+from mooncake_k8s.cli.p2p import p2p as _p2p_command
 from mooncake_k8s.cli.sidecar import sidecar as _sidecar_command
 from mooncake_k8s.cli.startup import guard
 from mooncake_k8s.common import defaults as d
@@ -243,5 +244,6 @@ def _register_operator() -> None:
 
 _register_operator()
 main.add_command(_sidecar_command)
+main.add_command(_p2p_command)
 # Last, over the whole tree: a server's start-up errors become one line (flag, value), exit 2.
 guard(main)

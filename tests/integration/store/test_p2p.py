@@ -8,7 +8,10 @@ read from another; no wrong byte is ever written.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -172,3 +175,26 @@ def test_a_chunk_no_holder_serves_right_fails_and_writes_nothing_wrong(
 def test_get_of_an_unpublished_name_says_so(bed: Bed, tmp_path: Path) -> None:
     with bed.client("hB") as b, pytest.raises(ObjectNotFound, match="nothing is published"):
         get("nope", tmp_path / "x", client=b)
+
+
+def mooncake(*args: str, token: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "MOONCAKE_CLUSTER_TOKEN": token}
+    return subprocess.run([sys.executable, "-m", "mooncake_k8s.cli", "p2p", *args], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_cli_publishes_and_gets(bed: Bed, tmp_path: Path) -> None:
+    src = model_dir(tmp_path / "src")
+    addr, token = bed.cluster.master_address, bed.cluster.token
+    pub = mooncake("publish", str(src), "cli/model", "--master", addr, "--chunk-size", "256KiB",
+                   token=token)
+    assert pub.returncode == 0, pub.stderr
+    assert json.loads(pub.stdout)["chunks"] == 8
+    got = mooncake("get", "cli/model", str(tmp_path / "out"), "--master", addr, token=token)
+    assert got.returncode == 0, got.stderr
+    assert json.loads(got.stdout)["fetched"] == 8
+    same_tree(src, tmp_path / "out")
+    miss = mooncake("get", "no/such", str(tmp_path / "x"), "--master", addr, token=token)
+    assert miss.returncode == 1 and "nothing is published under p2p name 'no/such'" in miss.stderr
+    bad = mooncake("get", "../up", str(tmp_path / "x"), "--master", addr, token=token)
+    assert bad.returncode == 2 and "p2p name '../up'" in bad.stderr
