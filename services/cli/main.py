@@ -23,7 +23,6 @@ from mooncake_k8s.cli.options import (  # noqa: F401 (re-exported for tests and 
     _with_logs,
     parse_size,
 )
-from mooncake_k8s.cli.p2p import p2p as _p2p_command
 from mooncake_k8s.cli.sidecar import sidecar as _sidecar_command
 from mooncake_k8s.cli.startup import guard
 from mooncake_k8s.common import defaults as d
@@ -98,6 +97,11 @@ def store() -> None:
               show_default=True,
               show_envvar=True, type=click.IntRange(200, 60_000),
               help="Leader lease; a dead leader is replaced about this long after it stopped.")
+@click.option("--tenant-quota", "tenant_quota", multiple=True, envvar="MOONCAKE_TENANT_QUOTAS",
+              show_envvar=True, metavar="NAME=DRAM[,SSD]",
+              help="A tenant's share of the pool, e.g. acme=1GiB,4GiB (repeat per tenant; an "
+                   "empty NAME is the shared tenant, '-' leaves a tier unlimited). A tenant "
+                   "over it evicts its own coldest objects; unnamed tenants are unlimited.")
 @click.option("--allow-any-address", is_flag=True,
               help="Permit binding every interface (0.0.0.0, :: in any spelling).")
 @_with_logs
@@ -107,11 +111,12 @@ def store_master(
     state_dir: str | None, recovery_grace_s: float, node_timeout_s: float,
     max_object_size: int, fast_port: int, metadata_backend: str, redis_url: str,
     advertise: str,
-    ha_prefix: str, ha_lease_ms: int, allow_any_address: bool, log_level: str,
-    log_format: str,
+    ha_prefix: str, ha_lease_ms: int, tenant_quota: tuple[str, ...], allow_any_address: bool,
+    log_level: str, log_format: str,
 ) -> None:
     """Run the store master (metadata, allocation, leases, eviction; never in the data path)."""
     host = _check_bind(host, allow_any_address)
+    quotas = _tenant_quotas(tenant_quota)
     if metadata_backend == "redis" and not redis_url:
         raise click.BadParameter("--metadata-backend redis needs a Redis URL",
                                  param_hint="--redis-url")
@@ -132,9 +137,28 @@ def store_master(
             max_object_size=max_object_size, fast_port=fast_port,
             metadata_backend=metadata_backend,
             redis_url=redis_url, advertise=advertise, ha_prefix=ha_prefix,
-            ha_lease_ms=ha_lease_ms,
+            ha_lease_ms=ha_lease_ms, tenant_quotas=quotas,
         )
     )
+
+
+def _tenant_quotas(flags: tuple[str, ...]) -> dict[str, tuple[int | None, int | None]]:
+    """`--tenant-quota` values -> tenant: (DRAM, SSD); a bad one is a usage error naming it."""
+    from mooncake_k8s.common.errors import InvalidArgument
+    from mooncake_k8s.store.master.quotas import parse_quota_flag
+
+    out: dict[str, tuple[int | None, int | None]] = {}
+    for flag in flags:
+        for one in flag.split() if " " in flag.strip() else [flag]:
+            try:
+                name, q = parse_quota_flag(one)
+            except InvalidArgument as e:
+                raise click.BadParameter(str(e), param_hint="--tenant-quota") from None
+            if name in out:
+                raise click.BadParameter(f"tenant {name!r} is named twice",
+                                         param_hint="--tenant-quota")
+            out[name] = (q.dram, q.ssd)
+    return out
 
 
 @store.command("node")
@@ -244,6 +268,5 @@ def _register_operator() -> None:
 
 _register_operator()
 main.add_command(_sidecar_command)
-main.add_command(_p2p_command)
 # Last, over the whole tree: a server's start-up errors become one line (flag, value), exit 2.
 guard(main)

@@ -39,6 +39,12 @@ class NoSpace(StoreError):
     """No segment can hold the object, even after eviction (everything left is leased or pinned)."""
 
 
+class QuotaExceeded(NoSpace):
+    """The put's tenant is at its quota and none of its own objects can be evicted to make
+    room (or the object alone is larger than the quota); another tenant's are never evicted.
+    A NoSpace: a writer that treats a full store as a miss treats this one the same way."""
+
+
 class ObjectTooLarge(StoreError, InvalidArgument):
     """The object is larger than any segment or the configured object size limit."""
 

@@ -312,8 +312,9 @@ class KVStore(Protocol):
 
     def batch_put(self, keys: Sequence[str], datas: Sequence[bytes | memoryview], *,
                   placement: str = ..., preferred_segment: str | None = ...,
-                  segments: Sequence[str] = ...) -> list[Exception | None]:
-        """Store each object; an error (or None) per key. `segments`: a replica on each."""
+                  segments: Sequence[str] = ..., tenant: str = ...) -> list[Exception | None]:
+        """Store each object; an error (or None) per key. `segments`: a replica on each;
+        `tenant`: whose quota they count against (the request's tenant)."""
         ...
 
     def remove(self, keys: Sequence[str], *, force: bool = ...) -> list[bool]: ...

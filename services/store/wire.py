@@ -22,6 +22,7 @@ from mooncake_k8s.common.errors import (
     ObjectExists,
     ObjectNotFound,
     ObjectTooLarge,
+    QuotaExceeded,
     StoreError,
 )
 from mooncake_k8s.common.rpc import store_pb2 as pb
@@ -51,6 +52,7 @@ _BY_CODE: dict[int, type[StoreError] | type[InvalidArgument]] = {
     pb.ERROR_NOT_FOUND: ObjectNotFound,
     pb.ERROR_TOO_LARGE: ObjectTooLarge,
     pb.ERROR_NO_SPACE: NoSpace,
+    pb.ERROR_QUOTA_EXCEEDED: QuotaExceeded,
     pb.ERROR_INVALID: InvalidArgument,
     pb.ERROR_UNAVAILABLE: MasterUnavailable,
 }
@@ -58,6 +60,7 @@ _BY_CODE: dict[int, type[StoreError] | type[InvalidArgument]] = {
 _CODE_OF: tuple[tuple[type[Exception], pb.ErrorCode], ...] = (
     (ObjectTooLarge, pb.ERROR_TOO_LARGE),  # first: it is an InvalidArgument too
     (InvalidArgument, pb.ERROR_INVALID),
+    (QuotaExceeded, pb.ERROR_QUOTA_EXCEEDED),  # before NoSpace: it is one
     (NoSpace, pb.ERROR_NO_SPACE),
     (ObjectExists, pb.ERROR_EXISTS),  # the master's PutSuperseded among them
     (MasterUnavailable, pb.ERROR_UNAVAILABLE),

@@ -23,6 +23,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_INVALID: _ClassVar[ErrorCode]
     ERROR_UNAVAILABLE: _ClassVar[ErrorCode]
     ERROR_INTERNAL: _ClassVar[ErrorCode]
+    ERROR_QUOTA_EXCEEDED: _ClassVar[ErrorCode]
 
 class Placement(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -41,6 +42,7 @@ ERROR_NO_SPACE: ErrorCode
 ERROR_INVALID: ErrorCode
 ERROR_UNAVAILABLE: ErrorCode
 ERROR_INTERNAL: ErrorCode
+ERROR_QUOTA_EXCEEDED: ErrorCode
 PLACEMENT_UNSPECIFIED: Placement
 LOCAL_FIRST: Placement
 PREFERRED: Placement
@@ -145,7 +147,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, reregister: _Optional[bool] = ..., master_id: _Optional[str] = ...) -> None: ...
 
 class NodeCommand(_message.Message):
-    __slots__ = ("id", "kind", "key", "segment", "offset", "size", "checksum", "src_segment", "src_offset")
+    __slots__ = ("id", "kind", "key", "segment", "offset", "size", "checksum", "src_segment", "src_offset", "src_replica")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[NodeCommand.Kind]
@@ -165,6 +167,7 @@ class NodeCommand(_message.Message):
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     SRC_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     SRC_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SRC_REPLICA_FIELD_NUMBER: _ClassVar[int]
     id: int
     kind: NodeCommand.Kind
     key: str
@@ -174,7 +177,8 @@ class NodeCommand(_message.Message):
     checksum: int
     src_segment: str
     src_offset: int
-    def __init__(self, id: _Optional[int] = ..., kind: _Optional[_Union[NodeCommand.Kind, str]] = ..., key: _Optional[str] = ..., segment: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., src_segment: _Optional[str] = ..., src_offset: _Optional[int] = ...) -> None: ...
+    src_replica: Replica
+    def __init__(self, id: _Optional[int] = ..., kind: _Optional[_Union[NodeCommand.Kind, str]] = ..., key: _Optional[str] = ..., segment: _Optional[str] = ..., offset: _Optional[int] = ..., size: _Optional[int] = ..., checksum: _Optional[int] = ..., src_segment: _Optional[str] = ..., src_offset: _Optional[int] = ..., src_replica: _Optional[_Union[Replica, _Mapping]] = ...) -> None: ...
 
 class NodeCommandBatch(_message.Message):
     __slots__ = ("commands",)
@@ -207,7 +211,7 @@ class CommandDoneResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class PutStartRequest(_message.Message):
-    __slots__ = ("key", "size", "replicas", "placement", "preferred_segment", "client_host_id", "segments")
+    __slots__ = ("key", "size", "replicas", "placement", "preferred_segment", "client_host_id", "segments", "tenant")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +219,7 @@ class PutStartRequest(_message.Message):
     PREFERRED_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     CLIENT_HOST_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     key: str
     size: int
     replicas: int
@@ -222,7 +227,8 @@ class PutStartRequest(_message.Message):
     preferred_segment: str
     client_host_id: str
     segments: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., replicas: _Optional[int] = ..., placement: _Optional[_Union[Placement, str]] = ..., preferred_segment: _Optional[str] = ..., client_host_id: _Optional[str] = ..., segments: _Optional[_Iterable[str]] = ...) -> None: ...
+    tenant: str
+    def __init__(self, key: _Optional[str] = ..., size: _Optional[int] = ..., replicas: _Optional[int] = ..., placement: _Optional[_Union[Placement, str]] = ..., preferred_segment: _Optional[str] = ..., client_host_id: _Optional[str] = ..., segments: _Optional[_Iterable[str]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class PutStartResponse(_message.Message):
     __slots__ = ("put_id", "replicas", "exists", "in_progress")
@@ -299,7 +305,7 @@ class BatchPutEndResponse(_message.Message):
     def __init__(self, errors: _Optional[_Iterable[str]] = ..., codes: _Optional[_Iterable[_Union[ErrorCode, str]]] = ...) -> None: ...
 
 class SpaceLeaseRequest(_message.Message):
-    __slots__ = ("size", "min_size", "replicas", "placement", "preferred_segment", "client_host_id", "segments")
+    __slots__ = ("size", "min_size", "replicas", "placement", "preferred_segment", "client_host_id", "segments", "tenant")
     SIZE_FIELD_NUMBER: _ClassVar[int]
     MIN_SIZE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
@@ -307,6 +313,7 @@ class SpaceLeaseRequest(_message.Message):
     PREFERRED_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     CLIENT_HOST_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     size: int
     min_size: int
     replicas: int
@@ -314,7 +321,8 @@ class SpaceLeaseRequest(_message.Message):
     preferred_segment: str
     client_host_id: str
     segments: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, size: _Optional[int] = ..., min_size: _Optional[int] = ..., replicas: _Optional[int] = ..., placement: _Optional[_Union[Placement, str]] = ..., preferred_segment: _Optional[str] = ..., client_host_id: _Optional[str] = ..., segments: _Optional[_Iterable[str]] = ...) -> None: ...
+    tenant: str
+    def __init__(self, size: _Optional[int] = ..., min_size: _Optional[int] = ..., replicas: _Optional[int] = ..., placement: _Optional[_Union[Placement, str]] = ..., preferred_segment: _Optional[str] = ..., client_host_id: _Optional[str] = ..., segments: _Optional[_Iterable[str]] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class SpaceLeaseResponse(_message.Message):
     __slots__ = ("lease_id", "size", "replicas", "ttl_ms", "align")
@@ -575,7 +583,7 @@ class SegmentStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., node_id: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., size: _Optional[int] = ..., used: _Optional[int] = ..., objects: _Optional[int] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("master_id", "objects", "pending_puts", "nodes", "segments", "evictions", "spills", "promotions", "meta_bytes_estimate", "recovering")
+    __slots__ = ("master_id", "objects", "pending_puts", "nodes", "segments", "evictions", "spills", "promotions", "meta_bytes_estimate", "recovering", "tenants")
     MASTER_ID_FIELD_NUMBER: _ClassVar[int]
     OBJECTS_FIELD_NUMBER: _ClassVar[int]
     PENDING_PUTS_FIELD_NUMBER: _ClassVar[int]
@@ -586,6 +594,7 @@ class StatsResponse(_message.Message):
     PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
     META_BYTES_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
     RECOVERING_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     master_id: str
     objects: int
     pending_puts: int
@@ -596,7 +605,28 @@ class StatsResponse(_message.Message):
     promotions: int
     meta_bytes_estimate: int
     recovering: bool
-    def __init__(self, master_id: _Optional[str] = ..., objects: _Optional[int] = ..., pending_puts: _Optional[int] = ..., nodes: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., evictions: _Optional[int] = ..., spills: _Optional[int] = ..., promotions: _Optional[int] = ..., meta_bytes_estimate: _Optional[int] = ..., recovering: _Optional[bool] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantQuotaStats]
+    def __init__(self, master_id: _Optional[str] = ..., objects: _Optional[int] = ..., pending_puts: _Optional[int] = ..., nodes: _Optional[int] = ..., segments: _Optional[_Iterable[_Union[SegmentStats, _Mapping]]] = ..., evictions: _Optional[int] = ..., spills: _Optional[int] = ..., promotions: _Optional[int] = ..., meta_bytes_estimate: _Optional[int] = ..., recovering: _Optional[bool] = ..., tenants: _Optional[_Iterable[_Union[TenantQuotaStats, _Mapping]]] = ...) -> None: ...
+
+class TenantQuotaStats(_message.Message):
+    __slots__ = ("tenant", "dram_used", "ssd_used", "objects", "dram_quota", "ssd_quota", "evictions", "refusals")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    DRAM_USED_FIELD_NUMBER: _ClassVar[int]
+    SSD_USED_FIELD_NUMBER: _ClassVar[int]
+    OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    DRAM_QUOTA_FIELD_NUMBER: _ClassVar[int]
+    SSD_QUOTA_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    dram_used: int
+    ssd_used: int
+    objects: int
+    dram_quota: int
+    ssd_quota: int
+    evictions: int
+    refusals: int
+    def __init__(self, tenant: _Optional[str] = ..., dram_used: _Optional[int] = ..., ssd_used: _Optional[int] = ..., objects: _Optional[int] = ..., dram_quota: _Optional[int] = ..., ssd_quota: _Optional[int] = ..., evictions: _Optional[int] = ..., refusals: _Optional[int] = ...) -> None: ...
 
 class StreamPlan(_message.Message):
     __slots__ = ("objects",)

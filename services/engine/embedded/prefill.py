@@ -73,7 +73,7 @@ def open_stream(store: StoreClient, work: PrefillWork, first_block: int,
         segs.append(_segments(plan.write_segment))
     return StreamPut(store, keys, views, segs,
                      placement="preferred" if plan.write_segment else "local_first",
-                     preferred_segment=plan.write_segment)
+                     preferred_segment=plan.write_segment, tenant=work.tenant)
 
 
 class _StreamSink:
@@ -237,12 +237,13 @@ class EmbeddedPrefill(_Embedded):
                                    "error": str(sink.put.error or "")})
         redo = [i for i in range(len(blocks)) if _redo(results[i])]
         errors = self._put([blocks[i] for i in redo],
-                           _segments(plan.home_segment, plan.write_segment), plan.write_segment)
+                           _segments(plan.home_segment, plan.write_segment), plan.write_segment,
+                           work.tenant)
         for i, err in zip(redo, errors, strict=True):
             results[i] = err
         if tail is not None and _redo(results[len(blocks)]):
             results[len(blocks)] = self._put([tail], _segments(plan.write_segment),
-                                             plan.write_segment)[0]
+                                             plan.write_segment, work.tenant)[0]
         for key, err in zip([k for k, _ in blocks] + [tail[0] if tail else ""], results,
                             strict=True):
             if key and err is not None and not isinstance(err, ObjectExists):
@@ -250,12 +251,13 @@ class EmbeddedPrefill(_Embedded):
         return sum(r is None for r in results[: len(blocks)]), tail[0] if tail else ""
 
     def _put(self, items: list[tuple[str, Any]], segments: list[str],
-             write_segment: str) -> list[Exception | None]:
-        """Plain puts of `items`, a replica on each of `segments`: a result per item."""
+             write_segment: str, tenant: str = "") -> list[Exception | None]:
+        """Plain puts of `items`, a replica on each of `segments`, counted against `tenant`'s
+        quota: a result per item."""
         if not items:
             return []
         return self.store.batch_put(
             [k for k, _ in items], [d for _, d in items],
             placement="preferred" if write_segment else "local_first",
-            preferred_segment=write_segment or None, segments=segments,
+            preferred_segment=write_segment or None, segments=segments, tenant=tenant,
         )

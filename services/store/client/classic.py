@@ -40,12 +40,13 @@ class ClassicWriter:
 
     def put(
         self, keys: Sequence[str], views: Sequence[memoryview], replicas: int, placement: int,
-        preferred_segment: str, segments: Sequence[str] = (),
+        preferred_segment: str, segments: Sequence[str] = (), tenant: str = "",
     ) -> Results:
         """A result per key: None when it is stored, else the exception for it. (The caller
         validated the shape and sizes.)"""
         try:
-            starts = self._start(keys, views, replicas, placement, preferred_segment, segments)
+            starts = self._start(keys, views, replicas, placement, preferred_segment, segments,
+                                 tenant)
         except StoreError as e:
             return [e] * len(keys)
         results: Results = [None] * len(keys)
@@ -60,14 +61,14 @@ class ClassicWriter:
 
     def _start(
         self, keys: Sequence[str], views: Sequence[memoryview], replicas: int, placement: int,
-        preferred_segment: str, segments: Sequence[str],
+        preferred_segment: str, segments: Sequence[str], tenant: str = "",
     ) -> list[pb.PutStartResult]:
         """PutStart for every key (one call, batched when there are several)."""
         reqs = [
             pb.PutStartRequest(
                 key=k, size=len(v), replicas=replicas, placement=placement,  # type: ignore[arg-type]
                 preferred_segment=preferred_segment, client_host_id=self._host_id,
-                segments=segments,
+                segments=segments, tenant=tenant,
             )
             for k, v in zip(keys, views, strict=True)
         ]

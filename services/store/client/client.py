@@ -196,13 +196,14 @@ class StoreClient:
         placement: str = "local_first",
         preferred_segment: str | None = None,
         segments: Sequence[str] = (),
+        tenant: str = "",
     ) -> None:
         """Store `data` under `key`; raises ObjectExists if the key is already stored.
-        `replicas` defaults to the client's (`replicas` at construction); `segments` as for
-        `batch_put`."""
+        `replicas` defaults to the client's (`replicas` at construction); `segments` and
+        `tenant` as for `batch_put`."""
         err = self.batch_put(
             [key], [data], replicas=replicas, placement=placement,
-            preferred_segment=preferred_segment, segments=segments,
+            preferred_segment=preferred_segment, segments=segments, tenant=tenant,
         )[0]
         if err is not None:
             raise err
@@ -216,6 +217,7 @@ class StoreClient:
         placement: str = "local_first",
         preferred_segment: str | None = None,
         segments: Sequence[str] = (),
+        tenant: str = "",
     ) -> list[Exception | None]:
         """Put many objects; a result per key. One master round trip (`PutCommit`) when the
         client's leased extent has room for them, else a lease first; puts too large for an
@@ -225,7 +227,10 @@ class StoreClient:
         the writer's own and its reader's), so each object gets max(`replicas`, len(segments))
         replicas on distinct nodes where that many nodes have room; a named segment that is
         unknown, full (after the eviction any put there may do) or on a node named before is
-        replaced by what `placement` picks on a node not used yet."""
+        replaced by what `placement` picks on a node not used yet.
+
+        `tenant`: whose quota the objects count against (the master's `--tenant-quota`); a
+        tenant at its quota that cannot evict its own objects gets QuotaExceeded (a NoSpace)."""
         if len(keys) != len(datas):
             raise InvalidArgument("keys and datas differ in length")
         views = [byte_view(d) for d in datas]
@@ -238,7 +243,8 @@ class StoreClient:
                     f"object {k!r} is empty; the store keeps objects of >= 1 byte")
         if isinstance(segments, str):
             raise InvalidArgument("segments is a sequence of segment names, not one string")
-        shape = (replicas, _PLACEMENTS[placement], preferred_segment or "", tuple(segments))
+        shape = (replicas, _PLACEMENTS[placement], preferred_segment or "", tuple(segments),
+                 tenant)
         fast = self._spaces.put(keys, views, shape)
         if fast is None:
             return self._classic.put(keys, views, *shape)

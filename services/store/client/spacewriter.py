@@ -67,9 +67,9 @@ class _Extent:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
 
-Shape = tuple[int, int, str, tuple[str, ...]]
-"""(replicas, placement, preferred segment, named segments): puts of one shape share an
-extent."""
+Shape = tuple[int, int, str, tuple[str, ...], str]
+"""(replicas, placement, preferred segment, named segments, tenant): puts of one shape share
+an extent (an extent's objects all count against its tenant's quota)."""
 
 
 class SpaceWriter:
@@ -202,13 +202,13 @@ class SpaceWriter:
         return offsets
 
     def _lease(self, shape: Shape, need: int) -> _Extent | None:
-        replicas, placement, preferred, segments = shape
+        replicas, placement, preferred, segments, tenant = shape
         sent = time.monotonic()
         try:
             resp = self._call("SpaceLease", pb.SpaceLeaseRequest(
                 size=max(need, self.lease_bytes), min_size=need, replicas=replicas,
                 placement=placement, preferred_segment=preferred,  # type: ignore[arg-type]
-                client_host_id=self._host_id, segments=segments,
+                client_host_id=self._host_id, segments=segments, tenant=tenant,
             ))
         except (NoSpace, ObjectTooLarge, InvalidArgument, MasterUnavailable):
             return None  # the classic path gives each object its own error

@@ -82,7 +82,8 @@ _STOP = None
 class StreamPut:
     """One streamed put of `keys` (their final bytes will be `views`, filled by the caller in
     any order). `segments[i]` names the segments object i gets a replica on (one on each, as
-    `batch_put(segments=...)`; empty = the client's placement). Use: `ready(i, start, end)` as
+    `batch_put(segments=...)`; empty = the client's placement); `tenant` whose quota they
+    count against, as for `batch_put`. Use: `ready(i, start, end)` as
     ranges become final (each byte once, any order), then `finish()`; or `abort()`."""
 
     def __init__(
@@ -94,6 +95,7 @@ class StreamPut:
         *,
         placement: str = "local_first",
         preferred_segment: str = "",
+        tenant: str = "",
     ) -> None:
         if not len(keys) == len(views) == len(segments):
             raise InvalidArgument("keys, views and segments differ in length")
@@ -106,6 +108,7 @@ class StreamPut:
             raise InvalidArgument("the store keeps objects of >= 1 byte")
         self._placement = _PLACEMENTS[placement]
         self._preferred = preferred_segment
+        self._tenant = tenant
         self._leases = self._pack([tuple(dict.fromkeys(s for s in seg if s))
                                    for seg in segments])
         self._where: dict[int, _Lease] = {i: ls for ls in self._leases for i in ls.objects}
@@ -302,7 +305,7 @@ class StreamPut:
         resp = c._call("SpaceLease", pb.SpaceLeaseRequest(
             size=lease.size, min_size=lease.size, replicas=replicas, placement=placement,
             preferred_segment=preferred, client_host_id=c._host_id,
-            segments=list(lease.segments),
+            segments=list(lease.segments), tenant=self._tenant,
         ))
         if resp.size < lease.size:
             raise StoreError(f"leased {resp.size} bytes, {lease.size} needed")

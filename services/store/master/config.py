@@ -3,7 +3,7 @@ the server so that the handlers can name them without importing the process that
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mooncake_k8s.common import defaults
 
@@ -62,5 +62,8 @@ class MasterConfig:
     """Prefix of this cluster's keys in Redis (one Redis may serve several clusters)."""
     ha_lease_ms: int = defaults.HA_LEASE_MS
     """Leader lease: a dead leader is replaced about this long after it stopped renewing."""
+    tenant_quotas: dict[str, tuple[int | None, int | None]] = field(default_factory=dict)
+    """Tenant -> (DRAM bytes, SSD bytes), None = unlimited in that tier (`quotas`); a tenant
+    not named (and the shared "" tenant unless named) is unlimited."""
     journal_keep_s: float = defaults.JOURNAL_KEEP_S
     """How long the commit journal keeps an entry (far beyond a node applying it)."""

@@ -31,6 +31,7 @@ from mooncake_k8s.common.errors import (
 )
 from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.store.master.catalog import Catalog
+from mooncake_k8s.store.master.quotas import TenantQuotas
 from mooncake_k8s.store.master.records import Node, Pending, check_key, rep_pb
 from mooncake_k8s.store.master.tiering import TierPolicy
 from mooncake_k8s.store.wire import code_of
@@ -81,10 +82,12 @@ class ClassicPuts:
     """`put_start` / `put_end` / `put_revoke` and their batch forms, and the pending puts they
     keep; see the module docstring."""
 
-    def __init__(self, catalog: Catalog, tiers: TierPolicy, *, max_object_size: int,
+    def __init__(self, catalog: Catalog, tiers: TierPolicy, quotas: TenantQuotas, *,
+                 max_object_size: int,
                  put_timeout_s: float, put_claim_s: float) -> None:
         self._cat = catalog
         self._tiers = tiers
+        self._quotas = quotas
         self.max_object_size = max_object_size
         self.put_timeout_s = put_timeout_s
         self.put_claim_s = put_claim_s
@@ -100,10 +103,12 @@ class ClassicPuts:
         preferred_segment: str = "",
         client_host_id: str = "",
         segments: Sequence[str] = (),
+        tenant: str = "",
     ) -> pb.PutStartResponse:
         """Allocate space for a new object. `exists=True` (put_id 0) when the key is already
         stored, or (with `in_progress`) another put of it holds a live claim on the key.
-        `segments`: one replica on each, see `TierPolicy.place`."""
+        `segments`: one replica on each, see `TierPolicy.place`. `tenant`: whose quota it
+        counts against (QuotaExceeded when it is full of what it cannot evict)."""
         check_key(key)
         replicas = check_put(size, replicas, placement, self.max_object_size, segments)
         with self._cat.op():
@@ -118,13 +123,14 @@ class ClassicPuts:
                     "put claim lapsed: another writer takes the key over",
                     extra={"key": key, "put_id": claimant.put_id},
                 )
+            self._quotas.admit(tenant, size, max(replicas, len(segments)))
             reps = self._tiers.place(size, replicas, placement, preferred_segment, client_host_id,
                                      segments=segments)
             put_id = self._cat.new_id()
             claim = min(self.put_timeout_s,
                         self.put_claim_s + size * len(reps) / CLAIM_BYTES_PER_S)
             self.pending[put_id] = Pending(
-                put_id, key, size, reps, now + self.put_timeout_s, now + claim
+                put_id, key, size, reps, now + self.put_timeout_s, now + claim, tenant
             )
             self._pending_keys[key] = put_id
             return pb.PutStartResponse(put_id=put_id, replicas=[rep_pb(r) for r in reps])
@@ -149,6 +155,7 @@ class ClassicPuts:
                 )
             self.end_pending(put, free=False)
             self._cat.publish(key, put.size, checksum, put.reps)
+            self._quotas.published(key, put.tenant)
 
     def put_revoke(self, key: str, put_id: int) -> None:
         """Abandon a put; its space is freed."""
@@ -177,7 +184,7 @@ class ClassicPuts:
             try:
                 ok = self.put_start(
                     it.key, it.size, it.replicas, it.placement, it.preferred_segment,
-                    it.client_host_id, it.segments,
+                    it.client_host_id, it.segments, it.tenant,
                 )
                 out.append(pb.PutStartResult(ok=ok))
             except (InvalidArgument, NoSpace) as e:  # ObjectTooLarge is an InvalidArgument

@@ -276,12 +276,13 @@ class Obj:
 
 
 class Pending:
-    __slots__ = ("claim_until", "deadline", "key", "put_id", "reps", "size")
+    __slots__ = ("claim_until", "deadline", "key", "put_id", "reps", "size", "tenant")
 
     def __init__(
         self, put_id: int, key: str, size: int, reps: list[Rep], deadline: float,
-        claim_until: float,
+        claim_until: float, tenant: str = "",
     ) -> None:
+        self.tenant = tenant  # whose quota the object counts against (quotas.py)
         self.put_id = put_id
         self.key = key
         self.size = size

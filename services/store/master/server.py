@@ -36,6 +36,7 @@ from mooncake_k8s.common.rpcserver import MAX_MESSAGE
 from mooncake_k8s.store.master.config import MasterConfig
 from mooncake_k8s.store.master.fastpath import FastPathServer
 from mooncake_k8s.store.master.ha import RedisCoordinator
+from mooncake_k8s.store.master.quotas import Quota, tenant_metrics
 from mooncake_k8s.store.master.recovery import NodeRoster, RecoveryGate
 from mooncake_k8s.store.master.servicer import Handlers, MasterServicer
 from mooncake_k8s.store.master.state import MasterState
@@ -90,6 +91,7 @@ class _StateCollector(Collector):
         )
         rec.add_metric([], 0 if self._gate.is_open else 1)
         yield from (objects, nodes, pending, leases, cap, used, lookups, ev, sp, pr, rec)
+        yield from tenant_metrics(self._state.tenant_report())
 
 
 class MasterServer:
@@ -105,6 +107,7 @@ class MasterServer:
             max_lease_ms=max(config.max_lease_ms, config.lease_ms),
             node_timeout_s=config.node_timeout_s, max_object_size=config.max_object_size,
             event_queue=config.event_queue,
+            tenant_quotas={t: Quota(d, s) for t, (d, s) in config.tenant_quotas.items()},
         )
         if config.metadata_backend not in ("embedded", "redis"):
             raise ValueError(f"metadata backend must be embedded or redis, not "

@@ -40,6 +40,7 @@ from mooncake_k8s.store.wire import (
     LEADER_KEY,
     RECOVERING_KEY,
     STANDBY_KEY,
+    code_of,
 )
 
 if TYPE_CHECKING:
@@ -99,7 +100,7 @@ def _status_of(e: Exception) -> tuple[grpc.StatusCode, str, int]:
     if isinstance(e, InvalidArgument):
         return grpc.StatusCode.INVALID_ARGUMENT, str(e), pb.ERROR_INVALID
     if isinstance(e, NoSpace):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), pb.ERROR_NO_SPACE
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), code_of(e)
     if isinstance(e, PutSuperseded):
         return grpc.StatusCode.ALREADY_EXISTS, str(e), pb.ERROR_EXISTS
     if isinstance(e, PutNotFound | UnknownNode):
@@ -228,7 +229,7 @@ class MasterServicer:
         self._authoritative()
         return self.state.put_start(
             req.key, req.size, req.replicas, req.placement, req.preferred_segment,
-            req.client_host_id, req.segments,
+            req.client_host_id, req.segments, tenant=req.tenant,
         )
 
     def PutEnd(self, req: pb.PutEndRequest, ctx: Any) -> pb.PutEndResponse:
@@ -254,7 +255,7 @@ class MasterServicer:
         self._authoritative()
         return self.state.lease_space(
             req.size, req.min_size, req.replicas, req.placement, req.preferred_segment,
-            req.client_host_id, req.segments,
+            req.client_host_id, req.segments, tenant=req.tenant,
         )
 
     def PutCommit(self, req: pb.PutCommitRequest, ctx: Any) -> pb.PutCommitResponse:

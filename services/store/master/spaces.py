@@ -40,6 +40,7 @@ from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.store.master.allocator import ALIGN, align_up
 from mooncake_k8s.store.master.catalog import Catalog
 from mooncake_k8s.store.master.puts import check_put
+from mooncake_k8s.store.master.quotas import TenantQuotas
 from mooncake_k8s.store.master.records import Node, Obj, Rep, check_key, rep_pb
 from mooncake_k8s.store.master.tiering import TierPolicy
 
@@ -57,9 +58,11 @@ class SpaceLease:
     """An extent leased to one writer: `reps` are where it starts in each replica's segment;
     `starts`/`ends` the sorted, aligned ranges committed from it (offsets in the extent)."""
 
-    __slots__ = ("deadline", "ends", "lease_id", "reps", "size", "starts")
+    __slots__ = ("deadline", "ends", "lease_id", "reps", "size", "starts", "tenant")
 
-    def __init__(self, lease_id: int, size: int, reps: list[Rep], deadline: float) -> None:
+    def __init__(self, lease_id: int, size: int, reps: list[Rep], deadline: float,
+                 tenant: str = "") -> None:
+        self.tenant = tenant
         self.lease_id = lease_id
         self.size = size
         self.reps = reps
@@ -98,9 +101,10 @@ class SpaceLeases:
     """Space leases over the catalog's segments; a part of `state.MasterState` (its lock is
     held around every public method here, through `Catalog.op`)."""
 
-    def __init__(self, catalog: Catalog, tiers: TierPolicy, *, max_object_size: int,
-                 space_ttl_s: float) -> None:
+    def __init__(self, catalog: Catalog, tiers: TierPolicy, quotas: TenantQuotas, *,
+                 max_object_size: int, space_ttl_s: float) -> None:
         self._cat = catalog
+        self._quotas = quotas
         self._tiers = tiers
         self.max_object_size = max_object_size
         self.space_ttl_s = space_ttl_s
@@ -111,6 +115,7 @@ class SpaceLeases:
     def lease_space(
         self, size: int, min_size: int = 0, replicas: int = 1, placement: int = pb.LOCAL_FIRST,
         preferred_segment: str = "", client_host_id: str = "", segments: Sequence[str] = (),
+        tenant: str = "",
     ) -> pb.SpaceLeaseResponse:
         """Lease an extent of up to `size` bytes (at least `min_size`) on `replicas` nodes, one
         of them on each of `segments` (see `TierPolicy.place`). The generous extent is taken
@@ -121,6 +126,7 @@ class SpaceLeases:
             raise InvalidArgument(f"min_size {min_size} is above size {size}")
         replicas = check_put(min_size, replicas, placement, self.max_object_size, segments)
         with self._cat.op():
+            self._quotas.admit(tenant, min_size, max(replicas, len(segments)))
             largest = max((s.alloc.capacity for s in self._cat.segments.values()), default=0)
             grant = max(min_size, min(size, MAX_EXTENT, largest // EXTENT_SHARE))
             try:
@@ -132,7 +138,8 @@ class SpaceLeases:
                 reps = self._tiers.place(grant, replicas, placement, preferred_segment,
                                          client_host_id, segments=segments)
             grant = align_up(grant)
-            lease = SpaceLease(self._cat.new_id(), grant, reps, self._cat.now() + self.space_ttl_s)
+            lease = SpaceLease(self._cat.new_id(), grant, reps, self._cat.now() + self.space_ttl_s,
+                               tenant)
             self._spaces[lease.lease_id] = lease
             return pb.SpaceLeaseResponse(
                 lease_id=lease.lease_id, size=grant, replicas=[rep_pb(r) for r in reps],
@@ -187,6 +194,7 @@ class SpaceLeases:
         for r in reps:
             r.seg.alloc.recount(1)
         self._cat.publish(key, size, it.checksum, reps)
+        self._quotas.published(key, lease.tenant)
         return "", pb.ERROR_NONE
 
     # -- end -----------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import heapq
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from mooncake_k8s.common import defaults
 from mooncake_k8s.common.errors import (
@@ -55,6 +55,7 @@ from mooncake_k8s.store.master.puts import (
 from mooncake_k8s.store.master.puts import (
     PutSuperseded as PutSuperseded,
 )
+from mooncake_k8s.store.master.quotas import Quota, TenantQuotas
 from mooncake_k8s.store.master.records import (
     HIDDEN,
     LEASE,
@@ -108,6 +109,7 @@ class MasterState:
         wall: Callable[[], float] = time.time,
         master_id: str | None = None,
         first_id: int | None = None,
+        tenant_quotas: Mapping[str, Quota] | None = None,
     ) -> None:
         if not 0.0 < high_watermark <= 1.0:
             raise InvalidArgument(f"high_watermark must be in (0, 1], got {high_watermark}")
@@ -126,11 +128,12 @@ class MasterState:
             first_id = (secrets.randbits(31) << 20) + 1
         cat = self.catalog = Catalog(now=now, wall=wall, first_id=first_id,
                                      event_queue=event_queue)
+        self.quotas = TenantQuotas(cat, tenant_quotas)
         self.tiers = TierPolicy(cat, high_watermark=high_watermark, low_watermark=low_watermark,
                                 copy_timeout_s=put_timeout_s)
-        self.puts = ClassicPuts(cat, self.tiers, max_object_size=max_object_size,
+        self.puts = ClassicPuts(cat, self.tiers, self.quotas, max_object_size=max_object_size,
                                 put_timeout_s=put_timeout_s, put_claim_s=put_claim_s)
-        self.spaces = SpaceLeases(cat, self.tiers, max_object_size=max_object_size,
+        self.spaces = SpaceLeases(cat, self.tiers, self.quotas, max_object_size=max_object_size,
                                   space_ttl_s=space_ttl_s)
         self.adds = ReplicaAdds(cat, self.tiers, timeout_s=put_timeout_s)
         self.membership = NodeMembership(cat, self.tiers, self.puts, self.spaces, self.adds,
@@ -171,10 +174,11 @@ class MasterState:
     def put_start(
         self, key: str, size: int, replicas: int = 1, placement: int = pb.LOCAL_FIRST,
         preferred_segment: str = "", client_host_id: str = "", segments: Sequence[str] = (),
+        tenant: str = "",
     ) -> pb.PutStartResponse:
         """See `puts.ClassicPuts.put_start`."""
         return self.puts.put_start(key, size, replicas, placement, preferred_segment,
-                                   client_host_id, segments)
+                                   client_host_id, segments, tenant=tenant)
 
     def put_end(self, key: str, put_id: int, checksum: int) -> None:
         self.puts.put_end(key, put_id, checksum)
@@ -191,10 +195,11 @@ class MasterState:
     def lease_space(
         self, size: int, min_size: int = 0, replicas: int = 1, placement: int = pb.LOCAL_FIRST,
         preferred_segment: str = "", client_host_id: str = "", segments: Sequence[str] = (),
+        tenant: str = "",
     ) -> pb.SpaceLeaseResponse:
         """See `spaces.SpaceLeases.lease_space`."""
         return self.spaces.lease_space(size, min_size, replicas, placement, preferred_segment,
-                                       client_host_id, segments)
+                                       client_host_id, segments, tenant=tenant)
 
     def put_commit(
         self, lease_id: int, items: Sequence[pb.CommitItem], release: bool = False
@@ -360,6 +365,7 @@ class MasterState:
             self.puts.expire(now)
             self.spaces.expire(now)
             self.adds.expire(now)
+            self.quotas.trim()
             heap = self._lease_heap
             while heap and heap[0][0] <= now:
                 _, lease_id = heapq.heappop(heap)
@@ -424,11 +430,18 @@ class MasterState:
                 nodes=len(self.catalog.nodes), segments=segs, evictions=self.evictions,
                 spills=self.spills, promotions=self.promotions,
                 meta_bytes_estimate=self.meta_bytes_estimate(n, replicas),
+                tenants=[pb.TenantQuotaStats(**{k: v or 0 for k, v in row.items()})
+                         for row in self.quotas.report()],
             )
 
     @staticmethod
     def meta_bytes_estimate(objects: int, replicas: int) -> int:
         return objects * BYTES_PER_OBJECT + max(0, replicas - objects) * BYTES_PER_EXTRA_REPLICA
+
+    def tenant_report(self) -> list[dict[str, int | str | None]]:
+        """Per-tenant usage, quota and counters (`quotas.TenantQuotas.report`)."""
+        with self._lock:
+            return self.quotas.report()
 
     def counters(self) -> dict[str, int]:
         with self._lock:

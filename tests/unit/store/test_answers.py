@@ -13,6 +13,7 @@ from mooncake_k8s.common.errors import (
     ObjectExists,
     ObjectNotFound,
     ObjectTooLarge,
+    QuotaExceeded,
     StoreError,
 )
 from mooncake_k8s.common.rpc import store_pb2 as pb
@@ -31,6 +32,7 @@ EXCEPTIONS: dict[int, type[Exception]] = {
     pb.ERROR_INVALID: InvalidArgument,
     pb.ERROR_UNAVAILABLE: MasterUnavailable,
     pb.ERROR_INTERNAL: StoreError,
+    pb.ERROR_QUOTA_EXCEEDED: QuotaExceeded,
 }
 
 

@@ -1,0 +1,259 @@
+"""Tenant quotas: each tenant's share of the pool (DRAM and SSD bytes), enforced at put time.
+
+Why: keys are salted per tenant, but without a bound one tenant's writes evict everyone else's
+prefixes through the segments' shared LRU. With a quota, a tenant that is over its share makes
+room by evicting ITS OWN coldest objects first, never another tenant's; when it cannot (what it
+holds is leased, pinned or being copied, or the object alone is larger than the quota) the put
+is refused with `QuotaExceeded` (a `NoSpace`: a writer that treats a full store as a miss treats
+this one the same way).
+
+Enforced twice, both under the master's lock:
+- before placement (`admit`): the tenant's DRAM bytes plus the new object's replicas must fit
+  its DRAM quota (an object is placed in DRAM first); its coldest objects go until they do;
+- after an object is published (`published`) and on every tick (`trim`): puts in flight at
+  once, spills to SSD and added replicas can take a tenant over, so its coldest objects (never
+  the one just published) go until it is back within both quotas.
+
+A tenant's objects are kept in put order, oldest first: that order is "coldest" here (reads do
+not refresh it yet). Its usage is summed over its objects when needed, which costs one pass
+over the tenant's objects per put of a tenant with a quota; tenants without one (and the shared
+"" tenant unless it has one) are not tracked at all and cost nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+
+from mooncake_k8s.common.errors import InvalidArgument, QuotaExceeded
+from mooncake_k8s.common.rpc import store_pb2 as pb
+from mooncake_k8s.store.master.catalog import Catalog
+from mooncake_k8s.store.master.records import COPYING, DRAM, LEASE, PINNED, Obj
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Quota", "QuotaExceeded", "TenantQuotas", "parse_quota_flag", "parse_size"]
+
+MAX_TENANT_BYTES = 128
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40,
+          "tb": 10**12, "tib": 1 << 40}
+
+
+@dataclass(frozen=True)
+class Quota:
+    """A tenant's share: bytes of DRAM and of SSD (None: unlimited in that tier)."""
+
+    dram: int | None = None
+    ssd: int | None = None
+
+
+def parse_size(text: str) -> int:
+    """`1GiB`, `512MiB`, `1g`, `4096` -> bytes; a clear error for anything else."""
+    s = text.strip().lower().replace("_", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    if not num or unit not in _UNITS:
+        raise InvalidArgument(f"size {text!r}: expected a number with an optional unit "
+                              "(B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
+    try:
+        value = float(num)
+    except ValueError:
+        raise InvalidArgument(f"size {text!r}: {num!r} is not a number") from None
+    if value < 0:
+        raise InvalidArgument(f"size {text!r} is negative")
+    return int(value * _UNITS[unit])
+
+
+def parse_quota_flag(text: str) -> tuple[str, Quota]:
+    """`NAME=DRAM[,SSD]` (the master's `--tenant-quota`) -> (tenant, Quota). An empty NAME is
+    the shared tenant; an empty or `-` size leaves that tier unlimited."""
+    name, sep, sizes = text.partition("=")
+    if not sep:
+        raise InvalidArgument(f"--tenant-quota {text!r}: expected NAME=DRAM[,SSD], e.g. "
+                              "acme=1GiB,4GiB")
+    check_tenant(name)
+    parts = sizes.split(",")
+    if len(parts) > 2:
+        raise InvalidArgument(f"--tenant-quota {text!r}: at most two sizes (DRAM,SSD)")
+    vals = [None if p.strip() in ("", "-") else parse_size(p) for p in parts]
+    return name, Quota(vals[0], vals[1] if len(vals) > 1 else None)
+
+
+def check_tenant(name: str) -> str:
+    if len(name.encode()) > MAX_TENANT_BYTES or any(c.isspace() or ord(c) < 32 for c in name):
+        raise InvalidArgument(f"tenant {name!r}: at most {MAX_TENANT_BYTES} bytes, no "
+                              "whitespace or control characters")
+    return name
+
+
+@dataclass
+class TenantCounters:
+    evictions: int = 0
+    refusals: int = 0
+
+
+class TenantQuotas:
+    """Per-tenant ownership, usage and quota enforcement; a part of `state.MasterState` (its
+    lock is held around every call)."""
+
+    def __init__(self, catalog: Catalog, quotas: Mapping[str, Quota] | None = None) -> None:
+        self._cat = catalog
+        self.quotas: dict[str, Quota] = dict(quotas or {})
+        self._keys: dict[str, OrderedDict[str, None]] = {}  # tenant -> its keys, oldest first
+        self.counters: dict[str, TenantCounters] = {}
+
+    def set_quota(self, tenant: str, quota: Quota | None) -> None:
+        """Set (or with None drop) a tenant's quota; applied by the next put and tick."""
+        check_tenant(tenant)
+        if quota is None:
+            self.quotas.pop(tenant, None)
+        else:
+            self.quotas[tenant] = quota
+
+    def tracked(self, tenant: str) -> bool:
+        return tenant in self.quotas
+
+    # -- usage ---------------------------------------------------------------------------------
+
+    def _live(self, tenant: str) -> Iterable[Obj]:
+        """The tenant's visible objects, oldest first; forgets keys that are gone."""
+        keys = self._keys.get(tenant)
+        if not keys:
+            return []
+        objects = self._cat.objects
+        out, gone = [], []
+        for key in keys:
+            obj = objects.get(key)
+            if obj is None or obj.hidden:
+                gone.append(key)
+            else:
+                out.append(obj)
+        for key in gone:
+            del keys[key]
+        return out
+
+    def usage(self, tenant: str) -> tuple[int, int, int]:
+        """(DRAM bytes, SSD bytes, objects) the tenant holds, every replica counted."""
+        dram = ssd = n = 0
+        for obj in self._live(tenant):
+            n += 1
+            size = obj.size
+            for rep in obj.reps:
+                if rep.seg.tier == DRAM:
+                    dram += size
+                else:
+                    ssd += size
+        return dram, ssd, n
+
+    # -- enforcement ---------------------------------------------------------------------------
+
+    def admit(self, tenant: str, size: int, replicas: int) -> None:
+        """Make room in the tenant's DRAM quota for a new object of `size` x `replicas`, by
+        evicting its own coldest objects; QuotaExceeded when that cannot be done."""
+        quota = self.quotas.get(tenant)
+        if quota is None or quota.dram is None:
+            return
+        need = size * replicas
+        if need > quota.dram:
+            self._refuse(tenant, f"tenant {tenant!r}: an object of {size} bytes x{replicas} "
+                                 f"is larger than its DRAM quota of {quota.dram} bytes")
+        if not self._shrink(tenant, quota.dram - need, quota.ssd, keep=""):
+            dram, _, _ = self.usage(tenant)
+            self._refuse(tenant, f"tenant {tenant!r} is at its DRAM quota ({dram} of "
+                                 f"{quota.dram} bytes used) and none of its objects can be "
+                                 "evicted now (leased, pinned or being copied)")
+
+    def published(self, key: str, tenant: str) -> None:
+        """Record a new object's tenant and bring the tenant back within its quota (never
+        evicting `key` itself)."""
+        quota = self.quotas.get(tenant)
+        if quota is None:
+            return
+        self._keys.setdefault(tenant, OrderedDict())[key] = None
+        self._shrink(tenant, quota.dram, quota.ssd, keep=key)
+
+    def trim(self) -> None:
+        """Bring every tenant within its quota (spills and added replicas move bytes too)."""
+        for tenant, quota in self.quotas.items():
+            self._shrink(tenant, quota.dram, quota.ssd, keep="")
+
+    def _shrink(self, tenant: str, dram_max: int | None, ssd_max: int | None,
+                keep: str) -> bool:
+        """Evict the tenant's coldest evictable objects until its DRAM bytes are <= dram_max
+        and its SSD bytes <= ssd_max; whether it got there."""
+        objs = list(self._live(tenant))
+        dram = ssd = 0
+        sizes = []
+        for obj in objs:
+            size = obj.size
+            d = sum(size for r in obj.reps if r.seg.tier == DRAM)
+            s = len(obj.reps) * size - d
+            sizes.append((d, s))
+            dram += d
+            ssd += s
+        for obj, (d, s) in zip(objs, sizes, strict=True):
+            if (dram_max is None or dram <= dram_max) and (ssd_max is None or ssd <= ssd_max):
+                return True
+            if obj.key == keep or obj.state >= LEASE or obj.state & (COPYING | PINNED):
+                continue
+            if (dram_max is None or dram <= dram_max or not d) and (
+                    ssd_max is None or ssd <= ssd_max or not s):
+                continue  # it frees nothing in the tier that is over
+            self._evict(tenant, obj)
+            dram -= d
+            ssd -= s
+        return (dram_max is None or dram <= dram_max) and (ssd_max is None or ssd <= ssd_max)
+
+    def _evict(self, tenant: str, obj: Obj) -> None:
+        for rep in obj.reps:
+            self._cat.drop_rep(obj, rep, pb.BlockEvent.EVICTED)
+        self._cat.evictions += 1
+        self._keys[tenant].pop(obj.key, None)
+        self.counters.setdefault(tenant, TenantCounters()).evictions += 1
+        log.debug("quota eviction", extra={"key": obj.key, "tenant": tenant})
+
+    def _refuse(self, tenant: str, msg: str) -> None:
+        self.counters.setdefault(tenant, TenantCounters()).refusals += 1
+        raise QuotaExceeded(msg)
+
+    # -- reporting -----------------------------------------------------------------------------
+
+    def report(self) -> list[dict[str, int | str | None]]:
+        """One row per tenant with a quota: usage, quota and counters (for stats and metrics)."""
+        rows: list[dict[str, int | str | None]] = []
+        for tenant, quota in sorted(self.quotas.items()):
+            dram, ssd, n = self.usage(tenant)
+            c = self.counters.get(tenant, TenantCounters())
+            rows.append({"tenant": tenant, "dram_used": dram, "ssd_used": ssd, "objects": n,
+                         "dram_quota": quota.dram, "ssd_quota": quota.ssd,
+                         "evictions": c.evictions, "refusals": c.refusals})
+        return rows
+
+
+def tenant_metrics(rows: list[dict[str, int | str | None]]) -> Iterator[Metric]:
+    """Prometheus families of `TenantQuotas.report` rows (labels: tenant, tier)."""
+    used = GaugeMetricFamily("mooncake_store_tenant_used_bytes",
+                             "Bytes a tenant holds (every replica)", labels=["tenant", "tier"])
+    quota = GaugeMetricFamily("mooncake_store_tenant_quota_bytes",
+                              "A tenant's quota (absent: unlimited)", labels=["tenant", "tier"])
+    ev = CounterMetricFamily("mooncake_store_tenant_evictions",
+                             "A tenant's own objects evicted to keep it within its quota",
+                             labels=["tenant"])
+    ref = CounterMetricFamily("mooncake_store_tenant_refusals",
+                              "Puts refused as over the tenant's quota", labels=["tenant"])
+    for row in rows:
+        t = str(row["tenant"])
+        for tier in ("dram", "ssd"):
+            used.add_metric([t, tier], int(row[f"{tier}_used"] or 0))
+            q = row[f"{tier}_quota"]
+            if q is not None:
+                quota.add_metric([t, tier], int(q))
+        ev.add_metric([t], int(row["evictions"] or 0))
+        ref.add_metric([t], int(row["refusals"] or 0))
+    yield from (used, quota, ev, ref)
