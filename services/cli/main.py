@@ -23,6 +23,7 @@ from mooncake_k8s.cli.options import (  # noqa: F401 (re-exported for tests and 
     _with_logs,
     parse_size,
 )
+from mooncake_k8s.cli.p2p import p2p as _p2p_command
 from mooncake_k8s.cli.sidecar import sidecar as _sidecar_command
 from mooncake_k8s.cli.startup import guard
 from mooncake_k8s.common import defaults as d
@@ -102,6 +103,21 @@ def store() -> None:
               help="A tenant's share of the pool, e.g. acme=1GiB,4GiB (repeat per tenant; an "
                    "empty NAME is the shared tenant, '-' leaves a tier unlimited). A tenant "
                    "over it evicts its own coldest objects; unnamed tenants are unlimited.")
+@click.option("--fanout/--no-fanout", envvar="MOONCAKE_FANOUT", default=False,
+              show_default=True, show_envvar=True,
+              help="Hot-object fan-out: an object read often from hosts without a replica "
+                   "gains one there (free room only, never evicting; the first evicted once "
+                   "cool).")
+@click.option("--fanout-threshold", envvar="MOONCAKE_FANOUT_THRESHOLD", default=8,
+              show_default=True, show_envvar=True, type=click.IntRange(1),
+              help="Lookups of an object per window from one host that add a replica there.")
+@click.option("--fanout-window", "fanout_window_s", envvar="MOONCAKE_FANOUT_WINDOW",
+              default=10.0, show_default=True, show_envvar=True, type=click.FloatRange(0.1),
+              help="Seconds of the read-count window; an extra replica unread this long is "
+                   "cool.")
+@click.option("--fanout-max-replicas", envvar="MOONCAKE_FANOUT_MAX_REPLICAS", default=4,
+              show_default=True, show_envvar=True, type=click.IntRange(2, 16),
+              help="Most replicas of one object, its own included.")
 @click.option("--allow-any-address", is_flag=True,
               help="Permit binding every interface (0.0.0.0, :: in any spelling).")
 @_with_logs
@@ -113,6 +129,8 @@ def store_master(
     advertise: str,
     ha_prefix: str, ha_lease_ms: int, tenant_quota: tuple[str, ...], allow_any_address: bool,
     log_level: str, log_format: str,
+    fanout: bool = False, fanout_threshold: int = 8, fanout_window_s: float = 10.0,
+    fanout_max_replicas: int = 4,
 ) -> None:
     """Run the store master (metadata, allocation, leases, eviction; never in the data path)."""
     host = _check_bind(host, allow_any_address)
@@ -135,6 +153,8 @@ def store_master(
             put_timeout_s=put_timeout_s, put_claim_s=put_claim_s, state_dir=state_dir,
             recovery_grace_s=recovery_grace_s, node_timeout_s=node_timeout_s,
             max_object_size=max_object_size, fast_port=fast_port,
+            fanout=fanout, fanout_threshold=fanout_threshold,
+            fanout_window_s=fanout_window_s, fanout_max_replicas=fanout_max_replicas,
             metadata_backend=metadata_backend,
             redis_url=redis_url, advertise=advertise, ha_prefix=ha_prefix,
             ha_lease_ms=ha_lease_ms, tenant_quotas=quotas,
@@ -268,5 +288,6 @@ def _register_operator() -> None:
 
 _register_operator()
 main.add_command(_sidecar_command)
+main.add_command(_p2p_command)
 # Last, over the whole tree: a server's start-up errors become one line (flag, value), exit 2.
 guard(main)
