@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 
 from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.store.master.events import EventHub
-from mooncake_k8s.store.master.records import Node, Obj, Rep, Segment
+from mooncake_k8s.store.master.records import Node, Obj, Rep, Segment, rep_pb
 
 _EV = pb.BlockEvent
 _CMD = pb.NodeCommand
@@ -76,17 +76,19 @@ class Catalog:
             )
 
     def command(self, node: Node, kind: int, key: str, seg: Segment, offset: int, size: int,
-                checksum: int = 0, src: Rep | None = None) -> int:
-        """Queue a command for `node` (if it is alive) and wake its stream; returns its id."""
+                checksum: int = 0, src: Rep | None = None, remote: bool = False) -> int:
+        """Queue a command for `node` (if it is alive) and wake its stream; returns its id.
+        With `remote`, the COPY's source is on another node: described in full (fan-out)."""
         cmd_id = next(self._ids)
         if node.alive:
-            node.commands.append(
-                _CMD(
-                    id=cmd_id, kind=kind, key=key, segment=seg.name, offset=offset, size=size,  # type: ignore[arg-type]
-                    checksum=checksum, src_segment=src.seg.name if src else "",
-                    src_offset=src.offset if src else 0,
-                )
+            cmd = _CMD(
+                id=cmd_id, kind=kind, key=key, segment=seg.name, offset=offset, size=size,  # type: ignore[arg-type]
+                checksum=checksum, src_segment=src.seg.name if src else "",
+                src_offset=src.offset if src else 0,
             )
+            if remote and src is not None:
+                cmd.src_replica.CopyFrom(rep_pb(src))
+            node.commands.append(cmd)
             self.wake(node)
         return cmd_id
 

@@ -307,7 +307,7 @@ class Copy:
         self, cmd_id: int, kind: str, obj: Obj, src: Rep, dst: Rep, deadline: float
     ) -> None:
         self.cmd_id = cmd_id
-        self.kind = kind  # "spill" | "promote"
+        self.kind = kind  # "spill" | "promote" | "fanout"
         self.obj = obj
         self.src = src
         self.dst = dst

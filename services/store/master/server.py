@@ -34,6 +34,7 @@ from mooncake_k8s.common.metrics import LATENCY_BUCKETS, serve_metrics
 from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.common.rpcserver import MAX_MESSAGE
 from mooncake_k8s.store.master.config import MasterConfig
+from mooncake_k8s.store.master.fanout import FanoutSettings
 from mooncake_k8s.store.master.fastpath import FastPathServer
 from mooncake_k8s.store.master.ha import RedisCoordinator
 from mooncake_k8s.store.master.quotas import Quota, tenant_metrics
@@ -90,7 +91,19 @@ class _StateCollector(Collector):
             "mooncake_store_recovering", "1 while a restarted master rebuilds its metadata"
         )
         rec.add_metric([], 0 if self._gate.is_open else 1)
-        yield from (objects, nodes, pending, leases, cap, used, lookups, ev, sp, pr, rec)
+        fan = CounterMetricFamily("mooncake_store_fanout_replicas",
+                                  "Fan-out replicas of hot objects, by what happened",
+                                  labels=["event"])
+        fan.add_metric(["added"], c["fanout_added"])
+        fan.add_metric(["dropped"], c["fanout_dropped"])
+        hot = GaugeMetricFamily("mooncake_store_fanout_hot_objects",
+                                "Objects read past the fan-out threshold (this or last window)")
+        hot.add_metric([], c["fanout_hot"])
+        extra = GaugeMetricFamily("mooncake_store_fanout_extra_replicas",
+                                  "Fan-out replicas held now")
+        extra.add_metric([], c["fanout_extra"])
+        yield from (objects, nodes, pending, leases, cap, used, lookups, ev, sp, pr, rec, fan,
+                    hot, extra)
         yield from tenant_metrics(self._state.tenant_report())
 
 
@@ -107,6 +120,8 @@ class MasterServer:
             max_lease_ms=max(config.max_lease_ms, config.lease_ms),
             node_timeout_s=config.node_timeout_s, max_object_size=config.max_object_size,
             event_queue=config.event_queue,
+            fanout=FanoutSettings(config.fanout, config.fanout_threshold,
+                                  config.fanout_window_s, config.fanout_max_replicas),
             tenant_quotas={t: Quota(d, s) for t, (d, s) in config.tenant_quotas.items()},
         )
         if config.metadata_backend not in ("embedded", "redis"):

@@ -42,6 +42,7 @@ from mooncake_k8s.common.errors import (
 from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.store.master.catalog import Catalog
 from mooncake_k8s.store.master.events import Subscription
+from mooncake_k8s.store.master.fanout import Fanout, FanoutSettings, spread
 from mooncake_k8s.store.master.membership import NodeMembership, Registration
 from mooncake_k8s.store.master.puts import (
     MAX_REPLICAS as MAX_REPLICAS,
@@ -105,6 +106,7 @@ class MasterState:
         node_timeout_s: float = defaults.NODE_TIMEOUT_S,
         max_object_size: int = 1 << 30,
         event_queue: int = 10_000,
+        fanout: FanoutSettings | None = None,
         now: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
         master_id: str | None = None,
@@ -136,6 +138,9 @@ class MasterState:
         self.spaces = SpaceLeases(cat, self.tiers, self.quotas, max_object_size=max_object_size,
                                   space_ttl_s=space_ttl_s)
         self.adds = ReplicaAdds(cat, self.tiers, timeout_s=put_timeout_s)
+        self.fanout = Fanout(fanout or FanoutSettings(), cat)
+        self._fan = self.fanout if self.fanout.enabled else None
+        self.tiers.fanout = self._fan
         self.membership = NodeMembership(cat, self.tiers, self.puts, self.spaces, self.adds,
                                          master_id=self.master_id, node_timeout_s=node_timeout_s)
         self._lock = cat.lock
@@ -234,6 +239,7 @@ class MasterState:
         entries: list[bytes] = []
         add = entries.append
         cat = self.catalog
+        fan = self._fan if client_host_id else None
         with cat.op():
             get = self._objects.get
             leased: list[Obj] = []
@@ -251,6 +257,8 @@ class MasterState:
                     add(obj.at.head + obj.tail)  # type: ignore[union-attr]
                 obj.state = (state | REF) + LEASE  # looked up (for eviction), leased
                 hold(obj)
+                if fan is not None:  # counts reads by host; may start a fan-out copy
+                    fan.note_read(obj, client_host_id, self.tiers)
             found = len(leased)
             cat.hits += found
             cat.misses += len(entries) - found
@@ -272,7 +280,12 @@ class MasterState:
             for r in at:
                 r.ref = True
             wire = obj.tail
-            if client_host_id and len({r.seg.node.host_id for r in at}) > 1:
+            fan = self._fan
+            if (fan is not None and client_host_id
+                    and all(r.seg.node.host_id != client_host_id for r in at)):
+                # no replica on the reader's host: readers take turns over the replicas
+                wire = encode_entry(spread(at, fan.turn()), obj.size, obj.checksum)
+            elif client_host_id and len({r.seg.node.host_id for r in at}) > 1:
                 wire = encode_entry(at, obj.size, obj.checksum, client_host_id)
         if obj.ssd_only and not obj.copying:
             self.tiers.promote(obj)
@@ -451,6 +464,9 @@ class MasterState:
                 "objects": len(self._objects), "nodes": len(self.catalog.nodes),
                 "pending_puts": len(self.puts.pending), "leases": len(self._leases),
                 "space_leases": self.spaces.space_leases,
+                "fanout_added": self.fanout.added, "fanout_dropped": self.fanout.dropped,
+                "fanout_hot": self.fanout.hot_objects,
+                "fanout_extra": self.fanout.extra_replicas,
             }
 
     def segment_usage(self) -> list[tuple[str, int, int, int]]:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from mooncake_k8s.common.errors import NoSpace, ObjectTooLarge
 from mooncake_k8s.common.rpc import store_pb2 as pb
@@ -51,6 +52,9 @@ from mooncake_k8s.store.master.records import (
     Rep,
     Segment,
 )
+
+if TYPE_CHECKING:
+    from mooncake_k8s.store.master.fanout import Fanout
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +73,9 @@ class TierPolicy:
         self.low_watermark = low_watermark
         self.copy_timeout_s = copy_timeout_s
         self.copies: dict[int, Copy] = {}
-        """Spills and promotions in flight, by command id."""
+        """Spills, promotions and fan-out copies in flight, by command id."""
+        self.fanout: Fanout | None = None
+        """Hot-object fan-out (`fanout`), when on: its cool extra replicas are evicted first."""
 
     # -- room ----------------------------------------------------------------------------------
 
@@ -206,6 +212,13 @@ class TierPolicy:
         rounded = seg.alloc.rounded
         queue = seg.queue
         busy = COPYING | (0 if pinned_ok else PINNED)
+        cool: set[int] = set()
+        if self.fanout is not None:  # cool fan-out replicas go before anything else
+            for obj in self.fanout.cool_on(seg):
+                if gain < deficit and obj.state < LEASE and not obj.state & COPYING:
+                    victims.append(obj)
+                    cool.add(id(obj))
+                    gain += rounded(obj.size)
         for _ in range(2 * len(queue)):
             if gain >= deficit or not queue:
                 break
@@ -217,7 +230,7 @@ class TierPolicy:
                 continue
             seen.add(id(obj))
             kept.append(obj)
-            if obj.state >= LEASE or obj.state & busy:
+            if obj.state >= LEASE or obj.state & busy or id(obj) in cool:
                 continue
             victims.append(obj)
             gain += rounded(obj.size)
@@ -253,6 +266,8 @@ class TierPolicy:
         if obj.on(seg):
             self._cat.drop_rep(obj, obj.rep_on(seg), _EV.EVICTED)
             self._cat.evictions += 1
+            if self.fanout is not None:
+                self.fanout.evicted(obj, seg)
 
     # -- shrinking and spilling ----------------------------------------------------------------
 
@@ -281,17 +296,17 @@ class TierPolicy:
                     return
                 reps = obj.reps
                 rep = next(r for r in reps if r.seg is seg)
-                if ssds and not any(r.seg.tier == SSD for r in reps):
+                extra = self.fanout is not None and self.fanout.is_extra(obj, seg)
+                if ssds and not extra and not any(r.seg.tier == SSD for r in reps):
                     dst = self._spill_target(ssds, rounded(obj.size))
                     off = dst.alloc.alloc(obj.size) if dst is not None else None
                     if dst is not None and off is not None:
                         seg.spilling += rounded(obj.size)
-                        self._start_copy("spill", obj, rep, Rep(dst, off))
+                        self.start_copy("spill", obj, rep, Rep(dst, off))
                         continue
-                if spill_only and not any(r.seg.tier == SSD for r in reps):
+                if spill_only and not extra and not any(r.seg.tier == SSD for r in reps):
                     return  # could not be spilled: it stays
-                self._cat.drop_rep(obj, rep, _EV.EVICTED)  # (a copy on SSD is kept, if any)
-                self._cat.evictions += 1
+                self._evict(obj, seg)  # (a copy on SSD or another node is kept, if any)
 
     def _spill_target(self, ssds: list[Segment], need: int) -> Segment | None:
         """An SSD segment that can take `need` bytes under its high watermark: one with room,
@@ -321,16 +336,23 @@ class TierPolicy:
                 continue
             off = seg.alloc.alloc(obj.size)
             if off is not None:
-                self._start_copy("promote", obj, src, Rep(seg, off))
+                self.start_copy("promote", obj, src, Rep(seg, off))
                 return
 
-    def _start_copy(self, kind: str, obj: Obj, src: Rep, dst: Rep) -> None:
+    def start_copy(
+        self, kind: str, obj: Obj, src: Rep, dst: Rep, node: Node | None = None
+    ) -> None:
+        """Ask `node` (by default the source's) to copy `obj` from `src` to `dst`; a `node`
+        other than the source's reads it through the transfer engine (fan-out)."""
         obj.copying = True
+        node = node or src.seg.node
         cmd_id = self._cat.command(
-            src.seg.node, _CMD.COPY, obj.key, dst.seg, dst.offset, obj.size, obj.checksum, src
+            node, _CMD.COPY, obj.key, dst.seg, dst.offset, obj.size, obj.checksum, src,
+            remote=node is not src.seg.node,
         )
         deadline = self._cat.now() + self.copy_timeout_s
-        self.copies[cmd_id] = Copy(cmd_id, kind, obj, src, dst, deadline)
+        cp = self.copies[cmd_id] = Copy(cmd_id, kind, obj, src, dst, deadline)
+        cp.node = node
 
     # -- copies ----------------------------------------------------------------------------------
 
@@ -347,6 +369,9 @@ class TierPolicy:
             and cp.src in obj.reps
             and cp.dst.seg.alive
         )
+        if live and cp.kind == "fanout":  # one copy per host: a reader may have kept one
+            host = cp.dst.seg.node.host_id
+            live = not any(r.seg.node.host_id == host for r in obj.reps)
         if not ok or not live:
             self._cat.free_rep(obj, cp.dst, committed=False)
             if not ok:
@@ -369,6 +394,10 @@ class TierPolicy:
             self._cat.emit(_EV.SPILLED, obj.key, obj.size, dst.seg)
             if obj.leases == 0:
                 self._cat.drop_rep(obj, cp.src, 0)
+        elif cp.kind == "fanout":
+            self._cat.emit(_EV.STORED, obj.key, obj.size, dst.seg)
+            if self.fanout is not None:
+                self.fanout.joined(obj, dst.seg)
         else:
             self._cat.promotions += 1
             self._cat.emit(_EV.PROMOTED, obj.key, obj.size, dst.seg)
