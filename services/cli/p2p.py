@@ -36,7 +36,11 @@ def _fail(e: Exception) -> None:
 @_token_opt
 @click.option("--chunk-size", default="16MiB", show_default=True, type=SIZE,
               help="Chunk size (a chunk never spans two files).")
-def p2p_publish(directory: str, name: str, master: str, token: str, chunk_size: int) -> None:
+@click.option("--pin/--no-pin", default=True, show_default=True,
+              help="Pin the chunks so the store never evicts them; --no-pin leaves them cache "
+                   "(a fetch that misses one fails and its caller uses its own source).")
+def p2p_publish(directory: str, name: str, master: str, token: str, chunk_size: int,
+                pin: bool) -> None:
     """Publish DIRECTORY under NAME: its chunks are stored on this host's storage node."""
     from mooncake_k8s.common.errors import MooncakeError
     from mooncake_k8s.store.client import StoreClient
@@ -44,7 +48,7 @@ def p2p_publish(directory: str, name: str, master: str, token: str, chunk_size: 
 
     try:
         with StoreClient(master, token) as c:
-            man = publish(directory, name, client=c, chunk_size=chunk_size)
+            man = publish(directory, name, client=c, chunk_size=chunk_size, pin=pin)
     except MooncakeError as e:
         _fail(e)
         return
@@ -62,8 +66,11 @@ def p2p_publish(directory: str, name: str, master: str, token: str, chunk_size: 
 @click.option("--keep/--no-keep", default=True, show_default=True,
               help="Keep a replica of each fetched chunk on this host's storage node, so "
                    "this host serves it to later fetchers.")
+@click.option("--keep-on", envvar="MOONCAKE_P2P_KEEP_ON", default=None, show_envvar=True,
+              help="Segment to keep the replicas on (default: this host's storage node, else "
+                   "the emptiest one that does not hold the object yet).")
 def p2p_get(name: str, directory: str, master: str, token: str, parallel: int,
-            keep: bool) -> None:
+            keep: bool, keep_on: str | None) -> None:
     """Fetch NAME into DIRECTORY from every host that holds it, verifying every chunk."""
     from mooncake_k8s.common.errors import MooncakeError
     from mooncake_k8s.store.client import StoreClient
@@ -71,7 +78,8 @@ def p2p_get(name: str, directory: str, master: str, token: str, parallel: int,
 
     try:
         with StoreClient(master, token) as c:
-            got = get(name, directory, client=c, parallel=parallel, keep=keep)
+            got = get(name, directory, client=c, parallel=parallel, keep=keep,
+                      keep_on=keep_on)
     except MooncakeError as e:
         _fail(e)
         return

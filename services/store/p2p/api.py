@@ -45,18 +45,29 @@ def chunk_key(man: Manifest, index: int) -> str:
     return f"p2p/{man.name}#{man.digest[:16]}/{index}"
 
 
-def _own_segment(client: StoreClient) -> str:
-    """A DRAM segment on this client's host (most free room first), or "" when none."""
-    mine = [s for s in client.segments() if s.host_id == client._host_id and s.tier == "dram"]
+def keep_segment(client: StoreClient, man: Manifest) -> str:
+    """Where a fetcher keeps what it fetched: a DRAM segment on its own host (most free room
+    first), so later fetchers on other hosts read from it; when its host has none (a pod in a
+    cluster whose storage nodes are pods of their own), the emptiest DRAM segment that does not
+    hold the first chunk yet, so each fetch still adds a holder on another storage node.
+    "" when there is none."""
+    segs = [s for s in client.segments() if s.tier == "dram"]
+    mine = [s for s in segs if s.host_id == client._host_id]
+    if not mine and man.chunks:
+        info = client._lookup([chunk_key(man, 0)], use_cache=False)[0]
+        held = {loc.segment.name for loc in info.replicas} if info else set()
+        mine = [s for s in segs if s.name not in held]
     mine.sort(key=lambda s: s.used - s.size)
     return mine[0].name if mine else ""
 
 
 def publish(directory: str | os.PathLike[str], name: str, *, client: StoreClient,
-            chunk_size: int = DEFAULT_CHUNK, batch: int = 8) -> Manifest:
+            chunk_size: int = DEFAULT_CHUNK, batch: int = 8, pin: bool = True) -> Manifest:
     """Cut every file under `directory` into chunks, store the chunks (this host's storage
-    node first: the store's local-first placement), then the manifest, and pin both so the
-    source is never evicted. Idempotent: chunks already stored are left alone; a different
+    node first: the store's local-first placement), then the manifest; with `pin` both are
+    pinned so the source is never evicted (without, they are cache like any object: a fetch
+    that finds a chunk gone fails, and the caller falls back to its own source).
+    Idempotent: chunks already stored are left alone; a different
     directory under the same name replaces the manifest (old chunks stay until removed)."""
     man = build(directory, name, chunk_size)
     root = Path(directory)
@@ -79,8 +90,9 @@ def publish(directory: str | os.PathLike[str], name: str, *, client: StoreClient
         for k, e in zip(put_keys, errs, strict=True):
             if e is not None and not isinstance(e, ObjectExists):
                 raise StoreError(f"publishing chunk {k!r}: {e}") from e
-        client.pin(pkeys)
-    _put_manifest(client, man)
+        if pin:
+            client.pin(pkeys)
+    _put_manifest(client, man, pin)
     log.info("p2p published", extra={"p2p_name": name, "files": len(man.files),
                                       "chunks": len(man.chunks), "bytes": man.total_bytes})
     return man
@@ -92,18 +104,17 @@ def _read_at(path: Path, offset: int, size: int) -> bytes:
         return fh.read(size)
 
 
-def _put_manifest(client: StoreClient, man: Manifest) -> None:
+def _put_manifest(client: StoreClient, man: Manifest, pin: bool) -> None:
     key = manifest_key(man.name)
     raw = man.encode()
     try:
         client.put(key, raw, replicas=1)
     except ObjectExists:
-        if bytes(client.get(key)) == raw:
-            client.pin([key])
-            return
-        client.remove(key, force=True)
-        client.put(key, raw, replicas=1)
-    client.pin([key])
+        if bytes(client.get(key)) != raw:
+            client.remove(key, force=True)
+            client.put(key, raw, replicas=1)
+    if pin:
+        client.pin([key])
 
 
 def load_manifest(client: StoreClient, name: str) -> Manifest:
@@ -122,12 +133,13 @@ class GetResult:
 
 
 def get(name: str, directory: str | os.PathLike[str], *, client: StoreClient,
-        parallel: int = 8, keep: bool = True,
+        parallel: int = 8, keep: bool = True, keep_on: str | None = None,
         on_chunk: Callable[[int], None] | None = None) -> GetResult:
     """Fetch `name` into `directory` from every host that holds its chunks, `parallel` chunks
     at a time, verifying each against the manifest before writing it; with `keep`, each chunk
-    fetched from another host is added as a replica on this host's storage node, so this host
-    serves it to later fetchers. `on_chunk(index)` is called after each chunk is written
+    fetched from another host is added as a replica on `keep_on` (a segment name; by default
+    `keep_segment`: this host's storage node), so this host serves it to later fetchers.
+    `on_chunk(index)` is called after each chunk is written
     (progress; tests use it to kill a holder mid-transfer)."""
     if parallel < 1:
         raise InvalidArgument(f"parallel must be >= 1, got {parallel}")
@@ -135,7 +147,9 @@ def get(name: str, directory: str | os.PathLike[str], *, client: StoreClient,
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)
     counters = Counters()
-    holders = Holders(client, _own_segment(client) if keep else "", counters)
+    if keep_on is None:
+        keep_on = keep_segment(client, man) if keep else ""
+    holders = Holders(client, keep_on if keep else "", counters)
     with ThreadPoolExecutor(parallel, thread_name_prefix="p2p-get") as pool:
         for f in man.files:
             _get_file(man, f, root, holders, pool, on_chunk)

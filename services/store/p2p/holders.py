@@ -52,8 +52,9 @@ class Counters:
 
 
 class Holders:
-    """Chunk reads for one fetcher. `keep_on` is a segment on this host to add a replica of
-    each fetched chunk to ("" keeps nothing), so the fetcher serves what it fetched."""
+    """Chunk reads for one fetcher. `keep_on` is a segment (this host's, when it has one) to
+    add a replica of each fetched chunk to ("" keeps nothing), so the fetcher serves what it
+    fetched."""
 
     def __init__(self, client: StoreClient, keep_on: str, counters: Counters) -> None:
         self.client = client
@@ -109,7 +110,8 @@ class Holders:
 
     def _keep(self, key: str, info: ObjectInfo, loc: Location, buf: memoryview) -> None:
         """Add a replica on this host (never fails the fetch: the keeper counts failures)."""
-        if not self.keep_on or any(r.peer.host_id == self.host for r in info.replicas):
+        if not self.keep_on or any(r.peer.host_id == self.host or r.segment.name == self.keep_on
+                                   for r in info.replicas):
             return
         if self.client._keeper.keep(self.keep_on, [(key, info, buf)]):
             self.counters.add(kept=1)

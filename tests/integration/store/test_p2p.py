@@ -20,7 +20,7 @@ import pytest
 from mooncake_k8s.common.errors import ObjectNotFound, StoreError
 from mooncake_k8s.store.client.client import StoreClient
 from mooncake_k8s.store.node.server import StorageNode
-from mooncake_k8s.store.p2p import get, publish
+from mooncake_k8s.store.p2p import get, load_manifest, publish
 from mooncake_k8s.store.p2p.api import chunk_key
 from mooncake_k8s.store.testing import StoreCluster, start_host_node
 
@@ -187,13 +187,17 @@ def test_the_cli_publishes_and_gets(bed: Bed, tmp_path: Path) -> None:
     src = model_dir(tmp_path / "src")
     addr, token = bed.cluster.master_address, bed.cluster.token
     pub = mooncake("publish", str(src), "cli/model", "--master", addr, "--chunk-size", "256KiB",
-                   token=token)
+                   "--no-pin", token=token)
     assert pub.returncode == 0, pub.stderr
     assert json.loads(pub.stdout)["chunks"] == 8
     got = mooncake("get", "cli/model", str(tmp_path / "out"), "--master", addr, token=token)
     assert got.returncode == 0, got.stderr
     assert json.loads(got.stdout)["fetched"] == 8
     same_tree(src, tmp_path / "out")
+    # this process's host has no storage node: it kept its replicas on another node
+    with bed.client("hA") as a:
+        man = load_manifest(a, "cli/model")
+    assert all(len(set(bed.holders(chunk_key(man, i)))) == 2 for i in range(8))
     miss = mooncake("get", "no/such", str(tmp_path / "x"), "--master", addr, token=token)
     assert miss.returncode == 1 and "nothing is published under p2p name 'no/such'" in miss.stderr
     bad = mooncake("get", "../up", str(tmp_path / "x"), "--master", addr, token=token)
