@@ -37,7 +37,8 @@ from mooncake_k8s.store.master.records import COPYING, DRAM, LEASE, PINNED, Obj
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Quota", "QuotaExceeded", "TenantQuotas", "parse_quota_flag", "parse_size"]
+__all__ = ["Quota", "QuotaExceeded", "TenantQuotas", "TenantUsage", "parse_quota_flag",
+           "parse_size"]
 
 MAX_TENANT_BYTES = 128
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
@@ -96,6 +97,26 @@ def check_tenant(name: str) -> str:
 class TenantCounters:
     evictions: int = 0
     refusals: int = 0
+
+
+@dataclass(frozen=True)
+class TenantUsage:
+    """One tenant's row of `TenantQuotas.report`: what it holds against its quota."""
+
+    tenant: str
+    dram_used: int
+    ssd_used: int
+    objects: int
+    dram_quota: int | None
+    ssd_quota: int | None
+    evictions: int
+    refusals: int
+
+    def to_pb(self) -> pb.TenantQuotaStats:
+        return pb.TenantQuotaStats(
+            tenant=self.tenant, dram_used=self.dram_used, ssd_used=self.ssd_used,
+            objects=self.objects, dram_quota=self.dram_quota or 0,
+            ssd_quota=self.ssd_quota or 0, evictions=self.evictions, refusals=self.refusals)
 
 
 class TenantQuotas:
@@ -224,19 +245,18 @@ class TenantQuotas:
 
     # -- reporting -----------------------------------------------------------------------------
 
-    def report(self) -> list[dict[str, int | str | None]]:
+    def report(self) -> list[TenantUsage]:
         """One row per tenant with a quota: usage, quota and counters (for stats and metrics)."""
-        rows: list[dict[str, int | str | None]] = []
+        rows: list[TenantUsage] = []
         for tenant, quota in sorted(self.quotas.items()):
             dram, ssd, n = self.usage(tenant)
             c = self.counters.get(tenant, TenantCounters())
-            rows.append({"tenant": tenant, "dram_used": dram, "ssd_used": ssd, "objects": n,
-                         "dram_quota": quota.dram, "ssd_quota": quota.ssd,
-                         "evictions": c.evictions, "refusals": c.refusals})
+            rows.append(TenantUsage(tenant, dram, ssd, n, quota.dram, quota.ssd, c.evictions,
+                                    c.refusals))
         return rows
 
 
-def tenant_metrics(rows: list[dict[str, int | str | None]]) -> Iterator[Metric]:
+def tenant_metrics(rows: list[TenantUsage]) -> Iterator[Metric]:
     """Prometheus families of `TenantQuotas.report` rows (labels: tenant, tier)."""
     used = GaugeMetricFamily("mooncake_store_tenant_used_bytes",
                              "Bytes a tenant holds (every replica)", labels=["tenant", "tier"])
@@ -248,12 +268,12 @@ def tenant_metrics(rows: list[dict[str, int | str | None]]) -> Iterator[Metric]:
     ref = CounterMetricFamily("mooncake_store_tenant_refusals",
                               "Puts refused as over the tenant's quota", labels=["tenant"])
     for row in rows:
-        t = str(row["tenant"])
-        for tier in ("dram", "ssd"):
-            used.add_metric([t, tier], int(row[f"{tier}_used"] or 0))
-            q = row[f"{tier}_quota"]
+        t = row.tenant
+        for tier, u, q in (("dram", row.dram_used, row.dram_quota),
+                           ("ssd", row.ssd_used, row.ssd_quota)):
+            used.add_metric([t, tier], u)
             if q is not None:
-                quota.add_metric([t, tier], int(q))
-        ev.add_metric([t], int(row["evictions"] or 0))
-        ref.add_metric([t], int(row["refusals"] or 0))
+                quota.add_metric([t, tier], q)
+        ev.add_metric([t], row.evictions)
+        ref.add_metric([t], row.refusals)
     yield from (used, quota, ev, ref)

@@ -56,7 +56,7 @@ from mooncake_k8s.store.master.puts import (
 from mooncake_k8s.store.master.puts import (
     PutSuperseded as PutSuperseded,
 )
-from mooncake_k8s.store.master.quotas import Quota, TenantQuotas
+from mooncake_k8s.store.master.quotas import Quota, TenantQuotas, TenantUsage
 from mooncake_k8s.store.master.records import (
     HIDDEN,
     LEASE,
@@ -443,15 +443,14 @@ class MasterState:
                 nodes=len(self.catalog.nodes), segments=segs, evictions=self.evictions,
                 spills=self.spills, promotions=self.promotions,
                 meta_bytes_estimate=self.meta_bytes_estimate(n, replicas),
-                tenants=[pb.TenantQuotaStats(**{k: v or 0 for k, v in row.items()})
-                         for row in self.quotas.report()],
+                tenants=[row.to_pb() for row in self.quotas.report()],
             )
 
     @staticmethod
     def meta_bytes_estimate(objects: int, replicas: int) -> int:
         return objects * BYTES_PER_OBJECT + max(0, replicas - objects) * BYTES_PER_EXTRA_REPLICA
 
-    def tenant_report(self) -> list[dict[str, int | str | None]]:
+    def tenant_report(self) -> list[TenantUsage]:
         """Per-tenant usage, quota and counters (`quotas.TenantQuotas.report`)."""
         with self._lock:
             return self.quotas.report()
