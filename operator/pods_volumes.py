@@ -9,6 +9,7 @@ asks `model_source` where the model is mounted; `render.py` formats storage size
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,27 @@ with open(out / ".mooncake-lock", "a") as lock:
     if not done.exists():
         snapshot_download(repo_id=repo, revision=revision, local_dir=dest)
         done.write_text(revision + "\\n")
+"""
+# With model.huggingFace.p2p (a per-pod emptyDir, so no lock): fetch argv[4] from the P2P
+# store's peers; when no peer has it (or one chunk is gone), drop what was fetched, download from
+# the Hub and publish it (unpinned: cache) so the next pods fetch it from their peers. The marker
+# is written last, so a restarted container redoes an unfinished fetch.
+_DOWNLOAD_P2P = """\
+import subprocess, sys
+from pathlib import Path
+repo, revision, dest, name = sys.argv[1:5]
+out = Path(dest)
+out.mkdir(parents=True, exist_ok=True)
+done = out / ".mooncake-complete"
+p2p = [sys.executable, "-m", "mooncake_k8s.cli", "p2p"]
+if not done.exists():
+    if subprocess.run([*p2p, "get", name, dest]).returncode != 0:
+        for part in out.rglob("*.p2p-part"):
+            part.unlink()
+        from huggingface_hub import snapshot_download
+        snapshot_download(repo_id=repo, revision=revision, local_dir=dest)
+        subprocess.run([*p2p, "publish", dest, name, "--no-pin"])
+    done.write_text(revision + "\\n")
 """
 # Helper containers' resources where the spec leaves them out (requests, limits).
 DOWNLOAD_RESOURCES = ({"cpu": "250m", "memory": "256Mi"}, {"cpu": "1", "memory": "1Gi"})
@@ -112,6 +134,12 @@ def model_source(ctx: Ctx) -> ModelSource:
     return ModelSource("", [], [], [])
 
 
+def p2p_model_name(repo: str, revision: str) -> str:
+    """The P2P store name a Hugging Face model is published under: `hf/<id>/<revision>`, the
+    revision's characters outside the names' alphabet replaced by `_`."""
+    return f"hf/{repo}/{re.sub(r'[^A-Za-z0-9._-]', '_', revision)}"
+
+
 def _hugging_face(ctx: Ctx, hf: Obj, mount: Obj) -> ModelSource:
     """A download init container into the pod's emptyDir, or into a shared claim once."""
     claim = hf.get("cacheClaimName")
@@ -130,11 +158,16 @@ def _hugging_face(ctx: Ctx, hf: Obj, mount: Obj) -> ModelSource:
     if "tokenSecret" in hf:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": hf["tokenSecret"]["name"], "key": hf["tokenSecret"]["key"]}}})
+    command = ["python", "-c", _DOWNLOAD, hf["id"], hf["revision"], path]
+    if hf.get("p2p"):
+        command = ["python", "-c", _DOWNLOAD_P2P, hf["id"], hf["revision"], path,
+                   p2p_model_name(hf["id"], hf["revision"])]
+        env += [env_var("MOONCAKE_MASTER", ctx.master_addr), ctx.token_env()]
     init = {
         "name": "model-download",
         "image": ctx.image("prefill"),
         "imagePullPolicy": ctx.spec["imagePullPolicy"],
-        "command": ["python", "-c", _DOWNLOAD, hf["id"], hf["revision"], path],
+        "command": command,
         "env": env,
         "resources": helper_resources(hf.get("resources"), res, *DOWNLOAD_RESOURCES),
         "volumeMounts": [{"name": "model", "mountPath": MODEL_DIR},

@@ -14,6 +14,7 @@ from mooncake_k8s.operator.schema_cel import positive
 from mooncake_k8s.operator.schema_dsl import (
     DNS_LABEL,
     array,
+    boolean,
     helper_resources,
     obj,
     rule,
@@ -65,8 +66,20 @@ def model_schema() -> Schema:
                         "model-download", "requests cpu 250m, memory 256Mi and "
                         "ephemeral-storage cacheSize without cacheClaimName; limits cpu 1, "
                         "memory 1Gi"),
+                    "p2p": boolean(
+                        "Share the download between pods through the store's P2P store: the "
+                        "download container first runs `mooncake p2p get` (chunks from every "
+                        "store node that holds them, each verified), and only when no peer "
+                        "has the model downloads it from the Hub and publishes it (unpinned: "
+                        "the chunks are cache, and a pod that misses one downloads from the "
+                        "Hub). Off by default; not with cacheClaimName, whose pods share one "
+                        "download already."),
                 },
                 required=("id",),
+                rules=(rule("!(has(self.p2p) && self.p2p && has(self.cacheClaimName))",
+                            "model.huggingFace.p2p shares downloads between per-pod volumes; "
+                            "with cacheClaimName the pods share one download already",
+                            field_path=".p2p"),),
             ),
             "pvc": obj(
                 "Mount the model from an existing PersistentVolumeClaim (read-only; use a "
