@@ -151,7 +151,7 @@ class Fleet:
     def wait_registered(self, name: str, host: str, timeout: float = 60.0) -> float:
         """Until node `name` on `host` counts a registration; the seconds it took."""
         h, t0 = self.host(host), time.monotonic()
-        url = f"http://{h.addr}:{self.port + 2}/metrics"
+        url = f"http://127.0.0.1:{self.port + 2}/metrics"  # the node binds metrics on loopback
         while time.monotonic() - t0 < timeout:
             self.check(name)
             with contextlib.suppress(OSError):
@@ -356,7 +356,7 @@ def row_model(sz: Sizes, echo: Callable[[str], None]) -> dict[str, Any]:
     waves = [["pod0"], [f"pod{i + 1}" for i in range(sz.later_pods)]]
     echo("  [model] from the source")
     out["source"] = _fetch_run(sz, model, waves, "http", echo)
-    out["p2p"] = (_fetch_run(sz, model, waves, "p2p", echo) if p2p_present()
+    out["p2p"] = (_fetch_run(sz, model, waves, "p2p-cli", echo) if p2p_present()
                   else {"not_measured": "no `mooncake p2p` command"})
     return out
 
@@ -370,28 +370,29 @@ def _fetch_run(sz: Sizes, src: Path, waves: list[list[str]], how: str,
     """Each wave of hosts fetches `src` at once (after the previous wave): per host seconds
     from the common start to its last byte, and bytes verified."""
     with fleet(f"fetch-{how}") as f:
+        node_dram = int(_dir_bytes(src) * 1.15) + 32 * MiB
         if how == "http":
             f.worker("src", "src", "http_serve", dir=str(src))
         else:
-            f.store_node("src-node", "src", 64 * MiB)
-            f.worker("src", "src", "cmd", argv=[*CLI, "p2p", "publish", str(src), "ckpt",
-                                                "--master", f.master], after_go=False)
+            f.worker("src", "src", "p2p_publish", dir=str(src), p2p_name="ckpt",
+                     node_dram=node_dram)
         f.wait_ready(["src"], sz.timeout_s)
-        if how == "p2p":
-            f.result("src", sz.timeout_s)
         waves_out = []
         for n, wave in enumerate(waves):
             with contextlib.suppress(FileNotFoundError):
                 (f.work / "go").unlink()
             for h in wave:
-                dest = f.work / f"{h}-dir"
+                dest = str(f.work / f"{h}-dir")
                 if how == "http":
                     url = f"http://{f.host('src').addr}:{f.port + 5}"
-                    f.worker(h, h, "http_get", url=url, dir=str(dest), files=_manifest(src))
-                else:
-                    f.store_node(f"{h}-node", h, 64 * MiB)
-                    f.worker(h, h, "cmd", argv=[*CLI, "p2p", "get", "ckpt", str(dest),
-                                                "--master", f.master], after_go=True)
+                    f.worker(h, h, "http_get", url=url, dir=dest, files=_manifest(src))
+                elif how == "p2p":  # in process: the host's node and the fetcher share its id
+                    f.worker(h, h, "p2p_get", dir=dest, p2p_name="ckpt", node_dram=node_dram)
+                else:  # the command a pod's init container runs, its node beside it
+                    f.store_node(f"{h}-node", h, node_dram)
+                    f.worker(h, h, "cmd", argv=[
+                        *CLI, "p2p", "get", "ckpt", dest, "--master", f.master,
+                        "--keep-on", f"{h}-node-dram-0"])
             f.wait_ready(wave, sz.timeout_s)
             f.go()
             res = {h: f.result(h, sz.timeout_s) for h in wave}
@@ -466,7 +467,7 @@ def _tenant_run(sz: Sizes, margs: list[str], flood: int,
 def row_restart(sz: Sizes, echo: Callable[[str], None]) -> dict[str, Any]:
     """Row 5: SIGKILL a node holding `ssd_bytes` on SSD, start it again on the same directory:
     the objects served again and the time until the master lists them."""
-    n = sz.ssd_bytes // sz.ssd_object
+    n = (sz.ssd_bytes + sz.ssd_dram) // sz.ssd_object  # DRAM fills, the rest spills to SSD
     with fleet("restart") as f:
         ssd = f.work / "ssd"
         ssd_args = ["--ssd-dir", str(ssd), "--ssd-size", str(int(sz.ssd_bytes * 1.25))]
@@ -478,18 +479,20 @@ def row_restart(sz: Sizes, echo: Callable[[str], None]) -> dict[str, Any]:
         f.kill("node")
         t0 = time.time()
         f.spawn("node", "store", f.args["node"])
-        f.worker("check", "client", "check", keys=n, size=sz.ssd_object, t0=t0,
-                 settle_s=min(30.0, sz.timeout_s / 4))
-        time.sleep(1.0)
+        try:  # the master lists the dead node's objects until it re-registers: wait for that
+            reg_s: float | None = f.wait_registered("node", "store", sz.timeout_s)
+        except (RuntimeError, TimeoutError):
+            reg_s = None
         started = f.procs["node"].poll() is None
-        chk = f.result("check", sz.timeout_s)
-        if f.procs["node"].poll() is not None:
-            started = False
+        f.worker("check", "client", "check", keys=n, size=sz.ssd_object, t0=t0,
+                 settle_s=min(20.0, sz.timeout_s / 4))
+        chk = f.result("check", sz.timeout_s + 60)
+        started = started and f.procs["node"].poll() is None
         out = {"objects": n, "fill": fill, "check": chk, "node_started": started,
-               "node_log_tail": "" if started else f.tail("node", 400)}
-    echo(f"    node {'started' if started else 'did NOT start'}; listed again "
-         f"{chk['listed']}, served verified {chk['verified']} (wrong {chk['wrong']}), "
-         f"re-adopted in {chk['adopt_s']}")
+               "registered_s": reg_s, "node_log_tail": "" if started else f.tail("node", 400)}
+    echo(f"    node {'started' if started else 'did NOT start'} (registered after {reg_s}s); "
+         f"listed again {chk['listed']}, served verified {chk['verified']} (wrong "
+         f"{chk['wrong']}), listed by {chk['adopt_s']}s")
     return out
 
 
@@ -573,8 +576,10 @@ def _t_tenants(t: dict[str, Any]) -> list[str]:
 def _t_restart(r: dict[str, Any]) -> list[str]:
     ck = r["check"]
     adopt = f"{ck['adopt_s']:.1f}s" if ck["adopt_s"] is not None else "never"
+    reg = f"{r['registered_s']:.1f}s" if r.get("registered_s") is not None else "never"
     o = (f"{ck['verified']}/{r['fill']['acked']} objects served verified ({ck['wrong']} "
-         f"wrong), re-adopted in {adopt}" if r["node_started"]
+         f"wrong; {r['fill']['ssd_objects']} were on SSD), registered again in {reg}, "
+         f"listed by {adopt}" if r["node_started"]
          else f"node did not start: {r['node_log_tail'][-160:]}")
     return [f"node restarted with {r['fill']['ssd_used'] / MiB:.0f} MiB on SSD: objects served "
             "again, time to re-adopt", "all verified ones; report", o, "-", "-"]

@@ -200,6 +200,39 @@ def role_cmd(ctx: Ctx) -> None:
         ctx.serve_until_stop()  # the publisher's host keeps serving
 
 
+def role_p2p_publish(ctx: Ctx) -> None:
+    """The source host: its storage node, and the directory published into it."""
+    from mooncake_k8s.store.p2p.api import publish
+
+    s = ctx.spec
+    ctx.start_node(s["node_dram"])
+    t0 = time.monotonic()
+    with ctx.client() as c:
+        publish(s["dir"], s["p2p_name"], client=c)
+    ctx.done({"seconds": time.monotonic() - t0})
+    ctx.ready()
+    ctx.serve_until_stop()
+
+
+def role_p2p_get(ctx: Ctx) -> None:
+    """A fetching host: its storage node (kept chunks land there: `keep_segment` picks this
+    host's node) and `p2p.get` from the go; the host keeps serving afterwards."""
+    from mooncake_k8s.store.p2p.api import get
+
+    s = ctx.spec
+    ctx.start_node(s["node_dram"])
+    with ctx.client() as c:
+        ctx.ready()
+        ctx.wait()
+        t0 = time.monotonic()
+        got = get(s["p2p_name"], s["dir"], client=c, parallel=s.get("parallel", 8))
+        secs = time.monotonic() - t0
+        k = got.counters
+    ctx.done({"seconds": secs, "fetched": k.fetched, "kept": k.kept, "corrupt": k.corrupt,
+              "by_host": k.by_host})
+    ctx.serve_until_stop()
+
+
 # -- row 4: tenants -------------------------------------------------------------------------
 
 
@@ -279,8 +312,11 @@ def role_fill(ctx: Ctx) -> None:
             last = used["ssd"]
             time.sleep(0.2)
         listed = sum(c.exists(keys))
+        infos = c._lookup(keys, use_cache=False)
+        on_ssd = sum(1 for i in infos
+                     if i and any(str(loc.segment.tier.value) == "ssd" for loc in i.replicas))
     ctx.done({"acked": acked, "listed": listed, "ssd_used": used["ssd"],
-              "dram_used": used["dram"]})
+              "dram_used": used["dram"], "ssd_objects": on_ssd})
 
 
 def role_check(ctx: Ctx) -> None:
@@ -317,7 +353,8 @@ def role_check(ctx: Ctx) -> None:
 
 ROLES = {"hold": role_hold, "read": role_read, "http_serve": role_http_serve,
          "http_get": role_http_get, "cmd": role_cmd, "tenant_b": role_tenant_b,
-         "flood": role_flood, "fill": role_fill, "check": role_check}
+         "flood": role_flood, "p2p_publish": role_p2p_publish, "p2p_get": role_p2p_get,
+         "fill": role_fill, "check": role_check}
 
 
 def run_worker(spec_path: Path) -> int:
