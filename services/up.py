@@ -31,6 +31,7 @@ from mooncake_k8s.common import defaults
 from mooncake_k8s.common.defaults import BLOCK_TOKENS
 from mooncake_k8s.common.netutil import free_service_port
 from mooncake_k8s.common.procs import Proc
+from mooncake_k8s.common.tenants import read_api_keys
 from mooncake_k8s.supervise import RestartPolicy, Supervisor
 
 
@@ -187,9 +188,11 @@ class LocalCluster:
         mport = free_service_port(h)
         # A state dir tells the master this is a first start (no nodes to wait for) and, after a
         # restart, exactly which nodes it knew.
+        quotas = read_api_keys(c.api_keys_file).quota_flags() if c.api_keys_file else []
         self._spawn("master", ["store", "master", "--host", h, "--port", str(self.master_port),
                                "--metrics-port", str(mport),
-                               "--state-dir", str(self.log_dir / "master-state")], mport)
+                               "--state-dir", str(self.log_dir / "master-state"), *quotas],
+                    mport)
         nport = free_service_port(h)
         # Node ids name shared-memory files, host-wide: unique per cluster (its master port).
         self._spawn("store-node", ["store", "node", "--master", self.master, "--host", h,

@@ -456,7 +456,9 @@ def conductor(**o: Any) -> None:
 @click.option("--store-replicas", default=2, show_default=True, type=click.IntRange(1, 8),
               help="Copies of each KV block prefill writes: with 2, one outside the decode "
                    "instance's own segment, so a dead decode's streams resume elsewhere.")
-@click.option("--api-keys-file", default=None, type=click.Path(exists=True, dir_okay=False))
+@click.option("--api-keys-file", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="'KEY [TENANT] [dram=SIZE] [ssd=SIZE]' per line: /v1/* requires a key; a "
+                   "tenant's dram=/ssd= is its share of the store (the master's quota).")
 @click.option("--no-prefix-cache", is_flag=True, help="Never reuse cached KV (baseline).")
 @click.option("--log-dir", default=None, type=click.Path(file_okay=False),
               help="Where the components' logs go [default: a temp dir].")
@@ -488,6 +490,13 @@ def up(**o: Any) -> None:
     from mooncake_k8s.up import UpConfig, group_problem, run_up
 
     setup_logging("up", "info", json_format=False)  # restarts are logged to stderr
+    if o["api_keys_file"]:
+        from mooncake_k8s.common.tenants import read_api_keys
+
+        try:
+            read_api_keys(o["api_keys_file"])
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--api-keys-file") from None
     problem = group_problem(o["n_prefill"], o["prefill_group_size"], o["engine_kind"])
     if problem:
         raise click.UsageError(problem)

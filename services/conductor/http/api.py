@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from mooncake_k8s.common import tracing
 from mooncake_k8s.common.rpc import serving_pb2 as pb
+from mooncake_k8s.common.tenants import read_api_keys
 from mooncake_k8s.conductor.http.bodies import EdgeLimits, decode_json, read_body
 from mooncake_k8s.conductor.http.errors import ANSWERED, api_error
 from mooncake_k8s.conductor.http.listener import HeaderDeadlines
@@ -51,19 +52,9 @@ DEFAULT_MAX_TOKENS = 256
 
 
 def load_api_keys(path: str) -> dict[str, str]:
-    """`KEY [TENANT]` per line ('#' comments). The tenant salts that key's KV blocks."""
-    keys: dict[str, str] = {}
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            parts = line.split("#", 1)[0].split()
-            if not parts:
-                continue
-            if len(parts) > 2:
-                raise ValueError(f"{path}:{n}: expected 'KEY [TENANT]'")
-            keys[parts[0]] = parts[1] if len(parts) == 2 else ""
-    if not keys:
-        raise ValueError(f"{path}: no API keys in the file")
-    return keys
+    """`KEY [TENANT] [dram=SIZE] [ssd=SIZE]` per line ('#' comments; `common.tenants`): each
+    key's tenant, which salts that key's KV blocks. (The quotas are the store master's.)"""
+    return read_api_keys(path).tenants
 
 
 class Frontend:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from mooncake_k8s.common import tenants
 from mooncake_k8s.common.errors import InvalidArgument, QuotaExceeded
 from mooncake_k8s.common.rpc import store_pb2 as pb
 from mooncake_k8s.store.master.catalog import Catalog
@@ -41,9 +42,6 @@ __all__ = ["Quota", "QuotaExceeded", "TenantQuotas", "TenantUsage", "parse_quota
            "parse_size"]
 
 MAX_TENANT_BYTES = 128
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40,
-          "tb": 10**12, "tib": 1 << 40}
 
 
 @dataclass(frozen=True)
@@ -55,20 +53,12 @@ class Quota:
 
 
 def parse_size(text: str) -> int:
-    """`1GiB`, `512MiB`, `1g`, `4096` -> bytes; a clear error for anything else."""
-    s = text.strip().lower().replace("_", "")
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):]
-    if not num or unit not in _UNITS:
-        raise InvalidArgument(f"size {text!r}: expected a number with an optional unit "
-                              "(B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
+    """`1GiB`, `512MiB`, `1g`, `4096` -> bytes (`common.tenants.parse_size`, the API-keys
+    file's sizes); InvalidArgument for anything else."""
     try:
-        value = float(num)
-    except ValueError:
-        raise InvalidArgument(f"size {text!r}: {num!r} is not a number") from None
-    if value < 0:
-        raise InvalidArgument(f"size {text!r} is negative")
-    return int(value * _UNITS[unit])
+        return tenants.parse_size(text)
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from None
 
 
 def parse_quota_flag(text: str) -> tuple[str, Quota]:
