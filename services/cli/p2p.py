@@ -66,7 +66,7 @@ def p2p_publish(directory: str, name: str, master: str, token: str, chunk_size: 
 @click.option("--keep/--no-keep", default=True, show_default=True,
               help="Keep a replica of each fetched chunk on this host's storage node, so "
                    "this host serves it to later fetchers.")
-@click.option("--keep-on", envvar="MOONCAKE_P2P_KEEP_ON", default=None, show_envvar=True,
+@click.option("--keep-on", default=None,
               help="Segment to keep the replicas on (default: this host's storage node, else "
                    "the emptiest one that does not hold the object yet).")
 def p2p_get(name: str, directory: str, master: str, token: str, parallel: int,
