@@ -304,10 +304,13 @@ def _hot_run(sz: Sizes, margs: list[str], echo: Callable[[str], None]) -> dict[s
         after = f.bed.counters()
     total = sum(r["bytes"] for r in res.values())
     secs = max(r["seconds"] for r in res.values())
+    late = sum(r["bytes_late"] for r in res.values())
     run = {"readers": res, "bytes": total, "seconds": secs, "rate_Bps": total / secs,
+           "late_rate_Bps": late / max(1e-9, secs - sz.read_s / 2),
            "src_sent": after["src"][0] - before["src"][0],
            "wrong": sum(r["wrong"] for r in res.values())}
-    echo(f"    aggregate {run['rate_Bps'] / MiB:.1f} MiB/s, src sent "
+    echo(f"    aggregate {run['rate_Bps'] / MiB:.1f} MiB/s (second half "
+         f"{run['late_rate_Bps'] / MiB:.1f} MiB/s), src sent "
          f"{run['src_sent'] / MiB:.1f} MiB, wrong {run['wrong']}")
     return run
 
@@ -347,11 +350,9 @@ def row_model(sz: Sizes, echo: Callable[[str], None]) -> dict[str, Any]:
         model = Path(tempfile.mkdtemp(prefix="fleet-model-")) / "model"
         make_dir(model, sz.checkpoint // 2, files=3)
     else:
-        from mooncake_k8s.up import UpConfig, prepare_model
+        from mooncake_k8s.engine.loading import ensure_builtin
 
-        model = Path(prepare_model(UpConfig(), echo))
-        if model.is_file():
-            model = model.parent
+        model, _sha = ensure_builtin(progress=False)  # the model `mooncake up` serves
     out: dict[str, Any] = {"model": str(model), "bytes": _dir_bytes(model)}
     waves = [["pod0"], [f"pod{i + 1}" for i in range(sz.later_pods)]]
     echo("  [model] from the source")
@@ -531,6 +532,9 @@ def _t_hot(h: dict[str, Any]) -> list[str]:
     base, on = h["off"].get("rate_Bps"), h["on"].get("rate_Bps")
     b = f"{base / MiB:.0f} MiB/s" if base else _why(h["off"])
     o = f"{on / MiB:.0f} MiB/s ({on / base:.2f}x)" if on and base else _why(h["on"])
+    if on and base and h["on"].get("late_rate_Bps"):
+        late, late0 = h["on"]["late_rate_Bps"], h["off"]["late_rate_Bps"]
+        o += f"; second half {late / MiB:.0f} vs {late0 / MiB:.0f} MiB/s ({late / late0:.2f}x)"
     return ["6 readers/3 hosts, hot 64-block prefix on one host, 1 Gbit/s: aggregate rate, "
             "fan-out vs none", ">= 2x", o, b, _met(on / base >= 2) if on and base else "-"]
 

@@ -101,7 +101,8 @@ def role_read(ctx: Ctx) -> None:
     keys = keys_of("hot", s["keys"])
     want = {k: load_payload(k, s["size"]) for k in keys}
     clients = [ctx.client(location_cache=False) for _ in range(s["clients"])]
-    stats = [{"bytes": 0, "passes": 0, "wrong": 0, "misses": 0} for _ in clients]
+    stats = [{"bytes": 0, "bytes_half": -1, "passes": 0, "wrong": 0, "misses": 0}
+             for _ in clients]
     ctx.ready()
     ctx.wait()
     t0 = time.monotonic()
@@ -113,6 +114,7 @@ def role_read(ctx: Ctx) -> None:
         t.join()
     secs = time.monotonic() - t0
     result = {"bytes": sum(st["bytes"] for st in stats), "seconds": secs,
+              "bytes_late": sum(st["bytes"] - st["bytes_half"] for st in stats),
               "wrong": sum(st["wrong"] for st in stats),
               "misses": sum(st["misses"] for st in stats),
               "passes": [st["passes"] for st in stats],
@@ -128,6 +130,8 @@ def _reader(c: StoreClient, keys: list[str], want: dict[str, bytes], s: dict[str
             t0: float, st: dict[str, int]) -> None:
     bufs = [bytearray(s["size"]) for _ in range(16)]
     while time.monotonic() - t0 < s["duration"]:
+        if st["bytes_half"] < 0 and time.monotonic() - t0 >= s["duration"] / 2:
+            st["bytes_half"] = st["bytes"]  # the second half: fan-out's replicas are in place
         check = st["passes"] % 4 == 0  # verify every 4th pass (CPU is shared by every host)
         for i in range(0, len(keys), 16):
             part = keys[i:i + 16]
