@@ -48,7 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -221,7 +221,7 @@ class Fleet:
 
 
 @contextlib.contextmanager
-def fleet(label: str, master_args: list[str] | None = None):  # type: ignore[no-untyped-def]
+def fleet(label: str, master_args: list[str] | None = None) -> Iterator[Fleet]:
     work = Path(tempfile.mkdtemp(prefix=f"fleet-{label}-"))
     with Testbed() as bed:
         f = Fleet(bed, work, list(master_args or []))

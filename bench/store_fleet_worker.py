@@ -252,7 +252,7 @@ def role_tenant_b(ctx: Ctx) -> None:
     with ctx.client(replicas=1, location_cache=False) as c:
         for k in keys:
             errs = c.batch_put([k], [load_payload(k, s["size"])], replicas=1,
-                               **_tenant_kw(s["tenant"]))  # type: ignore[arg-type]
+                               **_tenant_kw(s["tenant"]))
             if errs[0] is not None:
                 raise RuntimeError(f"B's put failed: {errs[0]}")
         ctx.ready()
@@ -289,7 +289,7 @@ def role_flood(ctx: Ctx) -> None:
         for i in range(0, n, 8):
             part = [f"a-{j:06d}" for j in range(i, min(n, i + 8))]
             errs = c.batch_put(part, [payload] * len(part), replicas=1,
-                               **_tenant_kw(s["tenant"]))  # type: ignore[arg-type]
+                               **_tenant_kw(s["tenant"]))
             acked += sum(e is None for e in errs)
             failed += sum(e is not None for e in errs)
     ctx.done({"puts": n, "acked": acked, "failed": failed, "seconds": time.monotonic() - t0})
