@@ -42,6 +42,9 @@ from mooncake_k8s.transfer.rdma import RdmaInfoCollector
 
 log = logging.getLogger(__name__)
 
+#: Longest a fan-out copy may take reading from another node (see `StorageNode._fetch`).
+FETCH_TIMEOUT_S = 10.0
+
 _TIER_PB = {Tier.DRAM: pb.DRAM, Tier.SSD: pb.SSD}
 RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -406,8 +409,10 @@ class StorageNode:
         if cmd.offset + n > dst.desc.size:
             return False, "copy out of bounds"
         if self._engine is None:
+            # Bounded well within the master's copy deadline (its put timeout, 30 s by
+            # default), after which it may hand this space to another object.
             self._engine = TransferEngine(self.config.token, host_id=self.config.host_id,
-                                          connections_per_peer=1)
+                                          connections_per_peer=1, timeout_s=FETCH_TIMEOUT_S)
         loc = location(cmd.src_replica)
         view = dst.buf[cmd.offset : cmd.offset + n]
         try:
