@@ -378,6 +378,7 @@ def _fetch_run(sz: Sizes, src: Path, waves: list[list[str]], how: str,
             f.worker("src", "src", "p2p_publish", dir=str(src), p2p_name="ckpt",
                      node_dram=node_dram)
         f.wait_ready(["src"], sz.timeout_s)
+        names = {f.result("src", 5).get("host_id"): "src"} if how == "p2p" else {}
         waves_out = []
         for n, wave in enumerate(waves):
             with contextlib.suppress(FileNotFoundError):
@@ -397,6 +398,10 @@ def _fetch_run(sz: Sizes, src: Path, waves: list[list[str]], how: str,
             f.wait_ready(wave, sz.timeout_s)
             f.go()
             res = {h: f.result(h, sz.timeout_s) for h in wave}
+            names.update({r.get("host_id"): h for h, r in res.items()})
+            for r in res.values():  # chunks by the emulated host that served them
+                if "by_host" in r:
+                    r["by_host"] = {names.get(k, k): v for k, v in r["by_host"].items()}
             for h in wave:
                 res[h]["verified"] = _same_dir(src, f.work / f"{h}-dir")
             secs = max(r["seconds"] for r in res.values())

@@ -213,7 +213,7 @@ def role_p2p_publish(ctx: Ctx) -> None:
     t0 = time.monotonic()
     with ctx.client() as c:
         publish(s["dir"], s["p2p_name"], client=c)
-    ctx.done({"seconds": time.monotonic() - t0})
+        ctx.done({"seconds": time.monotonic() - t0, "host_id": c._host_id})
     ctx.ready()
     ctx.serve_until_stop()
 
@@ -233,7 +233,7 @@ def role_p2p_get(ctx: Ctx) -> None:
         secs = time.monotonic() - t0
         k = got.counters
     ctx.done({"seconds": secs, "fetched": k.fetched, "kept": k.kept, "corrupt": k.corrupt,
-              "by_host": k.by_host})
+              "by_host": k.by_host, "host_id": c._host_id})
     ctx.serve_until_stop()
 
 
