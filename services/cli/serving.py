@@ -397,6 +397,11 @@ _edge_opts = [
               show_envvar=True,
               help="Also serve /metrics on the API port, without an API key (as before the "
                    "metrics port existed).")
+@click.option("--tenant-fair-share", envvar="MOONCAKE_TENANT_FAIR_SHARE", default=0,
+              show_default=True, show_envvar=True, type=click.IntRange(0),
+              help="Fair admission between tenants: with this many requests in flight, a "
+                   "tenant holding its max-min fair share of them (this over the active "
+                   "tenants) is refused with a 429 while the others still get in; 0 = off.")
 @click.option("--shutdown-timeout", envvar="MOONCAKE_SHUTDOWN_TIMEOUT",
               default=d.CONDUCTOR_SHUTDOWN_TIMEOUT_S, show_default=True, show_envvar=True,
               type=click.FloatRange(min=0),
@@ -434,7 +439,7 @@ def conductor(**o: Any) -> None:
                           idle_timeout_s=o["idle_timeout"]),
         metrics_port=None if o["metrics_port"] < 0 else o["metrics_port"],
         metrics_host=o["metrics_host"], metrics_on_api_port=o["metrics_on_api_port"],
-        shutdown_timeout_s=o["shutdown_timeout"],
+        shutdown_timeout_s=o["shutdown_timeout"], tenant_fair_share=o["tenant_fair_share"],
     ))
 
 

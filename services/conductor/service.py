@@ -38,6 +38,7 @@ from mooncake_k8s.conductor.http.listener import HeaderDeadlines
 from mooncake_k8s.conductor.metrics import ConductorMetrics
 from mooncake_k8s.conductor.sched import costmodel
 from mooncake_k8s.conductor.sched.admission import SLO, AdmissionConfig
+from mooncake_k8s.conductor.sched.fairshare import FairShare
 from mooncake_k8s.conductor.sched.kvindex import KVIndex
 from mooncake_k8s.conductor.sched.scheduler import Scheduler, SchedulerConfig
 from mooncake_k8s.conductor.serving.indexfeed import IndexFeeder
@@ -75,6 +76,9 @@ class ConductorConfig:
     ttft_slo_ms: float | None = None
     tbt_slo_ms: float | None = None
     """With either set, requests predicted to miss it are refused up front (429)."""
+    tenant_fair_share: int = 0
+    """Concurrent requests above which a tenant holding its fair share of them is refused
+    (429, `sched.fairshare`: max-min fair sharing between tenants); 0 = off."""
     limits: EdgeLimits = field(default_factory=EdgeLimits)
     """Body size, JSON depth and connection timeouts of the HTTP front door."""
     metrics_port: int | None = defaults.CONDUCTOR_METRICS_PORT
@@ -107,7 +111,9 @@ class Conductor:
         self.router = MooncakeRouter(self.scheduler, self.store, self.metrics)
         self._feeder: IndexFeeder | None = None
         self.frontend = Frontend(
-            Pipeline(self.prefills, self.decodes, self.router, metrics=self.metrics),
+            Pipeline(self.prefills, self.decodes, self.router, metrics=self.metrics,
+                     fair=FairShare(config.tenant_fair_share)
+                     if config.tenant_fair_share > 0 else None),
             self.metrics, keys, config.served_model_name, config.use_prefix_cache,
             config.limits)
         self.deadlines = HeaderDeadlines(config.limits.header_timeout_s,

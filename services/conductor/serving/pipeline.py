@@ -34,6 +34,7 @@ import grpc
 from mooncake_k8s.common import tracing
 from mooncake_k8s.common.rpc import serving_pb2 as pb
 from mooncake_k8s.conductor.metrics import ConductorMetrics
+from mooncake_k8s.conductor.sched.fairshare import FairShare, TenantOverShare
 from mooncake_k8s.conductor.serving.errors import (
     DecodeFailed,
     NoCapacity,
@@ -112,8 +113,10 @@ class Pipeline:
     def __init__(self, prefills: InstancePool, decodes: InstancePool, router: Router,
                  attempts: int = 4, prefill_timeout_s: float = 600.0,
                  metrics: ConductorMetrics | None = None, max_resumes: int = 3,
-                 retry_wait_s: float = 3.0) -> None:
+                 retry_wait_s: float = 3.0, fair: FairShare | None = None) -> None:
         self.metrics = metrics
+        self.fair = fair
+        """Fair admission between tenants (`sched.fairshare`); None: off."""
         self.retry_wait_s = retry_wait_s
         """How long a retry waits for an instance to be usable again: a failed call takes its
         instance out of rotation until its next good poll (`InstancePool.mark_failed`), and
@@ -132,7 +135,25 @@ class Pipeline:
 
     async def run(self, gen: Generation, out: Outcome) -> AsyncGenerator[Delta, None]:
         """The request's deltas; a decode instance lost mid-stream is replaced (decode
-        failover, `resume`): the client sees one stream, each token once."""
+        failover, `resume`): the client sees one stream, each token once. With `fair`, a
+        tenant over its fair share of a busy Conductor is refused first (TenantOverShare)."""
+        fair = self.fair
+        if fair is not None:
+            try:
+                fair.enter(gen.tenant, gen.priority)
+            except TenantOverShare:
+                if self.metrics is not None:
+                    self.metrics.rejections.labels("tenant_share").inc()
+                raise
+        try:
+            async with contextlib.aclosing(self._run(gen, out)) as deltas:
+                async for delta in deltas:
+                    yield delta
+        finally:
+            if fair is not None:
+                fair.leave(gen.tenant)
+
+    async def _run(self, gen: Generation, out: Outcome) -> AsyncGenerator[Delta, None]:
         out.prompt_tokens = len(gen.token_ids)
         gen = replace(gen, sampling=with_seed(gen.sampling))
         streamed: list[int] = []
