@@ -91,6 +91,18 @@ class Sizes:
     ssd_dram: int = 64 * MiB
     timeout_s: float = 600.0
 
+    def scaled(self, f: float) -> Sizes:
+        """Every byte count times `f` (a dry run at scale; row 3 then uses a synthetic model
+        of half the checkpoint's size)."""
+        def mb(n: int) -> int:
+            return max(1 * MiB, int(n * f)) // 4096 * 4096
+        return Sizes(block=mb(self.block * 16) // 16, blocks=self.blocks,
+                     read_s=max(5.0, self.read_s * f), checkpoint=mb(self.checkpoint),
+                     model_dir="synthetic" if f < 1 else "", pool=mb(self.pool),
+                     tenant_object=mb(self.pool) // 256, ssd_bytes=mb(self.ssd_bytes),
+                     ssd_object=max(64 << 10, mb(self.ssd_bytes) // 256),
+                     ssd_dram=mb(self.ssd_dram), timeout_s=self.timeout_s)
+
     @staticmethod
     def tiny() -> Sizes:
         return Sizes(block=64 << 10, blocks=64, read_s=3.0, checkpoint=8 * MiB,
@@ -404,6 +416,7 @@ def _fetch_run(sz: Sizes, src: Path, waves: list[list[str]], how: str,
                     r["by_host"] = {names.get(k, k): v for k, v in r["by_host"].items()}
             for h in wave:
                 res[h]["verified"] = _same_dir(src, f.work / f"{h}-dir")
+                shutil.rmtree(f.work / f"{h}-dir", ignore_errors=True)  # GBs at full size
             secs = max(r["seconds"] for r in res.values())
             echo(f"    {how} wave {n}: all {len(wave)} in {secs:.2f}s, verified "
                  f"{sum(r['verified'] for r in res.values())}/{len(wave)}")
@@ -496,6 +509,8 @@ def row_restart(sz: Sizes, echo: Callable[[str], None]) -> dict[str, Any]:
         started = started and f.procs["node"].poll() is None
         out = {"objects": n, "fill": fill, "check": chk, "node_started": started,
                "registered_s": reg_s, "node_log_tail": "" if started else f.tail("node", 400)}
+        f.kill("node")
+        shutil.rmtree(ssd, ignore_errors=True)
     echo(f"    node {'started' if started else 'did NOT start'} (registered after {reg_s}s); "
          f"listed again {chk['listed']}, served verified {chk['verified']} (wrong "
          f"{chk['wrong']}), listed by {chk['adopt_s']}s")
@@ -603,6 +618,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--rows", default="1,2,3,4,5")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes: a dry run")
+    ap.add_argument("--scale", type=float, default=1.0,
+                    help="every byte count times this (a dry run at some scale)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(BENCH_DIR / "results" / "store_fleet_bench"))
     args = ap.parse_args()
@@ -610,11 +627,12 @@ def main() -> int:
         from bench.store_fleet_worker import run_worker
 
         return run_worker(Path(args.worker))
-    sz = Sizes.tiny() if args.tiny else Sizes()
+    sz = Sizes.tiny() if args.tiny else Sizes().scaled(args.scale) if args.scale != 1 \
+        else Sizes()
     res: dict[str, Any] = {
         "bench": "store_fleet_bench", "date": datetime.datetime.now(datetime.UTC).isoformat(),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, "
-                   f"kernel {platform.release()}", "tiny": args.tiny,
+                   f"kernel {platform.release()}", "tiny": args.tiny, "scale": args.scale,
         "sizes": sz.__dict__, "commit": _commit()}
     for n in (int(x) for x in args.rows.split(",")):
         name, fn = ROWS[n]
@@ -632,6 +650,7 @@ def main() -> int:
     Path(args.out + ".json").write_text(json.dumps(res, indent=2, default=str) + "\n")
     Path(args.out + ".txt").write_text(f"{res['machine']}, {res['date']}, commit "
                                        f"{res['commit']}{' (tiny)' if args.tiny else ''}"
+                                       f"{f' (scale {args.scale})' if args.scale != 1 else ''}"
                                        f"\n\n{text}\n")
     return 0
 
