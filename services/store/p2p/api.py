@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
+import zlib
 from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
 from mooncake_k8s.common.errors import InvalidArgument, ObjectExists, ObjectNotFound, StoreError
 from mooncake_k8s.store.client.client import StoreClient
+from mooncake_k8s.store.p2p.fetch import fetch_all
 from mooncake_k8s.store.p2p.holders import Counters, Holders
 from mooncake_k8s.store.p2p.manifest import (
     DEFAULT_CHUNK,
-    FileEntry,
     Manifest,
     build,
     check_name,
@@ -34,7 +33,6 @@ from mooncake_k8s.store.p2p.manifest import (
 )
 
 log = logging.getLogger(__name__)
-PART = ".p2p-part"
 
 
 def manifest_key(name: str) -> str:
@@ -134,13 +132,14 @@ class GetResult:
 
 def get(name: str, directory: str | os.PathLike[str], *, client: StoreClient,
         parallel: int = 8, keep: bool = True, keep_on: str | None = None,
-        on_chunk: Callable[[int], None] | None = None) -> GetResult:
+        shuffle: bool = True, on_chunk: Callable[[int], None] | None = None) -> GetResult:
     """Fetch `name` into `directory` from every host that holds its chunks, `parallel` chunks
     at a time, verifying each against the manifest before writing it; with `keep`, each chunk
     fetched from another host is added as a replica on `keep_on` (a segment name; by default
     `keep_segment`: this host's storage node), so this host serves it to later fetchers.
-    `on_chunk(index)` is called after each chunk is written
-    (progress; tests use it to kill a holder mid-transfer)."""
+    `shuffle` fetches chunks in an order of this host's (see `fetch`), else in manifest order.
+    `on_chunk(index)` is called after each chunk is written (progress; tests use it to kill
+    a holder mid-transfer)."""
     if parallel < 1:
         raise InvalidArgument(f"parallel must be >= 1, got {parallel}")
     man = load_manifest(client, name)
@@ -150,61 +149,9 @@ def get(name: str, directory: str | os.PathLike[str], *, client: StoreClient,
     if keep_on is None:
         keep_on = keep_segment(client, man) if keep else ""
     holders = Holders(client, keep_on if keep else "", counters)
-    with ThreadPoolExecutor(parallel, thread_name_prefix="p2p-get") as pool:
-        for f in man.files:
-            _get_file(man, f, root, holders, pool, on_chunk)
+    seed = zlib.crc32(client._host_id.encode()) if shuffle else None
+    fetch_all(man, root, holders, lambda i: chunk_key(man, i), parallel=parallel, seed=seed,
+              on_chunk=on_chunk)
     log.info("p2p fetched", extra={"p2p_name": name, "chunks": counters.fetched,
                                     "reused": counters.reused, "corrupt": counters.corrupt})
     return GetResult(man, counters)
-
-
-def _get_file(man: Manifest, f: FileEntry, root: Path, holders: Holders,
-              pool: ThreadPoolExecutor, on_chunk: Callable[[int], None] | None) -> None:
-    """Fetch one file's missing chunks into its part file, then rename it into place."""
-    final = root / f.path
-    if final.is_file() and _verified(man, f, final, holders.counters) == set(range(f.count)):
-        os.chmod(final, f.mode)
-        return
-    final.parent.mkdir(parents=True, exist_ok=True)
-    part = final.with_name(final.name + PART)
-    have = _verified(man, f, part, holders.counters) if part.is_file() else set()
-    fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        os.ftruncate(fd, f.size)
-        lock = threading.Lock()
-
-        def one(n: int) -> None:
-            index, off, chunk = f.first + n, n * man.chunk_size, man.chunks[f.first + n]
-            buf = memoryview(bytearray(chunk.size))
-            holders.fetch(chunk_key(man, index), index, chunk, buf)
-            with lock:
-                os.pwrite(fd, buf, off)
-            if on_chunk is not None:
-                on_chunk(index)
-
-        futs = [pool.submit(one, n) for n in range(f.count) if n not in have]
-        done, _ = wait(futs, return_when=FIRST_EXCEPTION)
-        for fut in futs:
-            fut.cancel()
-        wait(futs)  # none still writes to fd once it is closed
-        for fut in done:
-            fut.result()  # the first failure, if any
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.chmod(part, f.mode)
-    os.replace(part, final)
-
-
-def _verified(man: Manifest, f: FileEntry, path: Path, counters: Counters) -> set[int]:
-    """Chunks of `f` (by position in the file) that `path` already holds, verified."""
-    if path.stat().st_size != f.size:
-        return set()
-    good = set()
-    with open(path, "rb") as fh:
-        for n, (_, off, chunk) in enumerate(man.chunks_of(f)):
-            fh.seek(off)
-            if chunk_digest(fh.read(chunk.size)) == chunk.digest:
-                good.add(n)
-    counters.add(reused=len(good))
-    return good

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import zlib
 from dataclasses import dataclass, field
 
 from mooncake_k8s.common.errors import StoreError, TransferError
@@ -61,15 +62,16 @@ class Holders:
         self.keep_on = keep_on
         self.counters = counters
         self.host = client._host_id
+        self.salt = zlib.crc32(self.host.encode())
 
     def order(self, info: ObjectInfo, index: int) -> list[Location]:
-        """This host's replicas first, then the others rotated by chunk index so that
-        concurrent chunks (and fetchers) spread over every holder."""
+        """This host's replicas first, then the others rotated by chunk index (and by a salt
+        of this host's) so that concurrent chunks, and fetchers, spread over every holder."""
         mine = [loc for loc in info.replicas if loc.peer.host_id == self.host]
         others = sorted((loc for loc in info.replicas if loc.peer.host_id != self.host),
                         key=lambda loc: loc.segment.name)
         if others:
-            k = index % len(others)
+            k = (index + self.salt) % len(others)
             others = others[k:] + others[:k]
         return mine + others
 
