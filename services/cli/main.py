@@ -108,7 +108,7 @@ def store() -> None:
               help="Hot-object fan-out: an object read often from hosts without a replica "
                    "gains one there (free room only, never evicting; the first evicted once "
                    "cool).")
-@click.option("--fanout-threshold", envvar="MOONCAKE_FANOUT_THRESHOLD", default=8,
+@click.option("--fanout-threshold", envvar="MOONCAKE_FANOUT_THRESHOLD", default=4,
               show_default=True, show_envvar=True, type=click.IntRange(1),
               help="Lookups of an object per window from one host that add a replica there.")
 @click.option("--fanout-window", "fanout_window_s", envvar="MOONCAKE_FANOUT_WINDOW",
@@ -129,7 +129,7 @@ def store_master(
     advertise: str,
     ha_prefix: str, ha_lease_ms: int, tenant_quota: tuple[str, ...], allow_any_address: bool,
     log_level: str, log_format: str,
-    fanout: bool = False, fanout_threshold: int = 8, fanout_window_s: float = 10.0,
+    fanout: bool = False, fanout_threshold: int = 4, fanout_window_s: float = 10.0,
     fanout_max_replicas: int = 4,
 ) -> None:
     """Run the store master (metadata, allocation, leases, eviction; never in the data path)."""

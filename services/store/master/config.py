@@ -69,7 +69,7 @@ class MasterConfig:
     """How long the commit journal keeps an entry (far beyond a node applying it)."""
     fanout: bool = False
     """Hot-object fan-out (`fanout`): add replicas of objects read often from other hosts."""
-    fanout_threshold: int = 8
+    fanout_threshold: int = 4
     """Lookups per window from one host without a replica that add one there."""
     fanout_window_s: float = 10.0
     fanout_max_replicas: int = 4
