@@ -62,6 +62,7 @@ from bench.multihost_bench import BENCH_DIR, _met, metric_sum, render
 from mooncake_k8s.testbed import Testbed
 from mooncake_k8s.testbed.bed import Host
 from mooncake_k8s.testbed.cluster import http_ok
+from mooncake_k8s.transfer.segments import cluster_tag, reap_stale
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -237,11 +238,13 @@ def fleet(label: str, master_args: list[str] | None = None) -> Iterator[Fleet]:
     work = Path(tempfile.mkdtemp(prefix=f"fleet-{label}-"))
     with Testbed() as bed:
         f = Fleet(bed, work, list(master_args or []))
-        f.start_master()
         try:
+            f.start_master()
             yield f
         finally:
             (work / "stop").write_text("")
+    # what a SIGKILLed node (row 5) left in /dev/shm: this cluster's files of dead owners
+    reap_stale(cluster_tag([f.master]))
 
 
 # -- features present? (other work lands while this is written: each row adapts) -----------
@@ -509,7 +512,7 @@ def row_restart(sz: Sizes, echo: Callable[[str], None]) -> dict[str, Any]:
         started = started and f.procs["node"].poll() is None
         out = {"objects": n, "fill": fill, "check": chk, "node_started": started,
                "registered_s": reg_s, "node_log_tail": "" if started else f.tail("node", 400)}
-        f.kill("node")
+        f.kill("node", signal.SIGTERM)
         shutil.rmtree(ssd, ignore_errors=True)
     echo(f"    node {'started' if started else 'did NOT start'} (registered after {reg_s}s); "
          f"listed again {chk['listed']}, served verified {chk['verified']} (wrong "

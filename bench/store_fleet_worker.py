@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import signal
 import subprocess
 import threading
 import time
@@ -361,7 +362,12 @@ ROLES = {"hold": role_hold, "read": role_read, "http_serve": role_http_serve,
          "fill": role_fill, "check": role_check}
 
 
+def _exit_on_term(_sig: int, _frame: object) -> None:
+    raise SystemExit(0)  # the bed ends a worker with SIGTERM: stop its node (frees /dev/shm)
+
+
 def run_worker(spec_path: Path) -> int:
+    signal.signal(signal.SIGTERM, _exit_on_term)
     spec = json.loads(spec_path.read_text())
     ctx = Ctx(spec)
     try:
