@@ -498,16 +498,20 @@ def row_restart(sz: Sizes, echo: Callable[[str], None]) -> dict[str, Any]:
         fill = f.result("fill", sz.timeout_s)
         echo(f"  [restart] {fill['acked']} objects put, SSD used {fill['ssd_used'] / MiB:.0f} MiB"
              f" of them, DRAM {fill['dram_used'] / MiB:.0f} MiB")
+        t0 = time.time()
+        f.worker("check", "client", "check", keys=n, size=sz.ssd_object, t0=t0,
+                 settle_s=min(20.0, sz.timeout_s / 4))
+        f.wait_ready(["check"], sz.timeout_s)  # started now: its start-up is not timed
         f.kill("node")
         t0 = time.time()
+        (f.work / "t0").write_text(str(t0))
         f.spawn("node", "store", f.args["node"])
         try:  # the master lists the dead node's objects until it re-registers: wait for that
             reg_s: float | None = f.wait_registered("node", "store", sz.timeout_s)
         except (RuntimeError, TimeoutError):
             reg_s = None
         started = f.procs["node"].poll() is None
-        f.worker("check", "client", "check", keys=n, size=sz.ssd_object, t0=t0,
-                 settle_s=min(20.0, sz.timeout_s / 4))
+        f.go()
         chk = f.result("check", sz.timeout_s + 60)
         started = started and f.procs["node"].poll() is None
         out = {"objects": n, "fill": fill, "check": chk, "node_started": started,

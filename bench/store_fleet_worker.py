@@ -330,6 +330,9 @@ def role_check(ctx: Ctx) -> None:
     s = ctx.spec
     keys = keys_of("ssd", s["keys"])
     with ctx.client(replicas=1, location_cache=False) as c:
+        ctx.ready()
+        ctx.wait()  # the go: the node was started again and has registered (or died)
+        s["t0"] = float((ctx.work / "t0").read_text())
         listed, since, adopt_s = 0, time.monotonic(), None
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
