@@ -66,14 +66,17 @@ class Holders:
 
     def order(self, info: ObjectInfo, index: int) -> list[Location]:
         """This host's replicas first, then the others rotated by chunk index (and by a salt
-        of this host's) so that concurrent chunks, and fetchers, spread over every holder."""
+        of this host's) so that concurrent chunks, and fetchers, spread over every holder; a
+        holder that failed lately is tried last, so a dead or frozen one costs one timeout,
+        not one per chunk."""
         mine = [loc for loc in info.replicas if loc.peer.host_id == self.host]
         others = sorted((loc for loc in info.replicas if loc.peer.host_id != self.host),
                         key=lambda loc: loc.segment.name)
         if others:
             k = (index + self.salt) % len(others)
             others = others[k:] + others[:k]
-        return mine + others
+        # holders that failed a read lately (the client's suspect_s) go last
+        return list(self.client._health.order(mine + others))
 
     def fetch(self, key: str, index: int, chunk: Chunk, buf: memoryview,
               rounds: int = 3) -> None:
@@ -104,6 +107,7 @@ class Holders:
             self.counters.add(failed_reads=1)
             log.info("p2p holder failed", extra={"holder": loc.segment.name, "error": str(e)})
             return f"{loc.segment.name}: {e}"
+        self.client._health.succeeded(loc.peer.address)
         if chunk_digest(buf) != chunk.digest:
             self.counters.add(corrupt=1)
             log.warning("p2p chunk failed verification", extra={"holder": loc.segment.name})
