@@ -60,6 +60,15 @@ def conductor_drain_seconds(grace: int) -> int:
     return max(1, grace - d.CONDUCTOR_PRESTOP_S - 5)
 
 
+def tenant_quotas(quotas: list[dict[str, Any]]) -> str:
+    """store.tenantQuotas as the master's MOONCAKE_TENANT_QUOTAS: `NAME=DRAM,SSD` entries in
+    bytes, space-separated ('-' = unlimited in that tier)."""
+    def one(q: dict[str, Any], tier: str) -> str:
+        return str(naming.parse_bytes(q[tier])) if tier in q else "-"
+
+    return " ".join(f"{q['tenant']}={one(q, 'dram')},{one(q, 'ssd')}" for q in quotas)
+
+
 def role_env(ctx: Ctx, role: str) -> tuple[list[Obj], list[str]]:
     """Role-specific environment and container args."""
     spec, p = ctx.spec, naming.PORTS[role]
@@ -70,6 +79,9 @@ def role_env(ctx: Ctx, role: str) -> tuple[list[Obj], list[str]]:
                env_var("MOONCAKE_MASTER_METRICS_PORT", p["metrics"]),
                env_var("MOONCAKE_HIGH_WATERMARK", spec["store"]["highWatermark"]),
                env_var("MOONCAKE_LOW_WATERMARK", spec["store"]["lowWatermark"])]
+        if spec["store"].get("tenantQuotas"):
+            env.append(env_var("MOONCAKE_TENANT_QUOTAS",
+                               tenant_quotas(spec["store"]["tenantQuotas"])))
         backend = spec["metadataBackend"]
         if backend["type"] == "redis":
             ref = backend["redisUrlSecret"]

@@ -246,6 +246,7 @@ def _store() -> Schema:
             "blockTokens": integer("Tokens per KV block (part of every block key; changing it "
                                    "invalidates the cache).", default=d.BLOCK_TOKENS, minimum=1,
                                    maximum=4096),
+            "tenantQuotas": _tenant_quotas(),
         },
         default={},
         rules=(
@@ -256,6 +257,29 @@ def _store() -> Schema:
                  "store.ssd cannot be removed once set; create a new cluster"),
         ),
     )
+
+
+def _tenant_quotas() -> Schema:
+    quota = obj(
+        "One tenant's share of the pool. A tenant over it evicts its own coldest objects (never "
+        "another tenant's); a put it cannot make room for is refused (QuotaExceeded).",
+        {
+            "tenant": string("The tenant, as the API-keys file names it (\"\" = requests "
+                             "without a tenant).", pattern=r"^[^\s=,]*$", max_length=128),
+            "dram": size("DRAM bytes the tenant's KV may take (every replica counted); unset "
+                         "= unlimited."),
+            "ssd": size("SSD bytes likewise; unset = unlimited."),
+        },
+        required=("tenant",),
+        rules=(rule("has(self.dram) || has(self.ssd)",
+                    "store.tenantQuotas: a tenant's quota needs dram or ssd"),),
+    )
+    quotas = array("Per-tenant quotas of the KV pool (the master's --tenant-quota); tenants "
+                   "not listed are unlimited.", quota, max_items=256)
+    quotas["x-kubernetes-validations"] = [rule(
+        "self.all(q, self.exists_one(r, r.tenant == q.tenant))",
+        "store.tenantQuotas names a tenant more than once")]
+    return quotas
 
 
 def _bounds(name: str, lo: int, hi: int) -> Schema:
