@@ -12,8 +12,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -211,3 +213,30 @@ def test_the_cli_publishes_and_gets(bed: Bed, tmp_path: Path) -> None:
     assert miss.returncode == 1 and "nothing is published under p2p name 'no/such'" in miss.stderr
     bad = mooncake("get", "../up", str(tmp_path / "x"), "--master", addr, token=token)
     assert bad.returncode == 2 and "p2p name '../up'" in bad.stderr
+
+
+def test_fetchers_on_three_hosts_at_once_each_get_every_byte_and_serve_it(
+        bed: Bed, tmp_path: Path) -> None:
+    src = model_dir(tmp_path / "src")
+    with bed.client("hA") as a:
+        man = publish(src, "wave", client=a, chunk_size=CHUNK)
+    results: dict[str, Any] = {}
+
+    def fetch(host: str) -> None:
+        try:
+            with bed.client(host) as c:
+                results[host] = get("wave", tmp_path / host, client=c, parallel=3)
+        except Exception as e:  # reported below, with the host
+            results[host] = e
+
+    threads = [threading.Thread(target=fetch, args=(h,)) for h in ("hB", "hC", "hD")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for host in ("hB", "hC", "hD"):
+        assert not isinstance(results[host], Exception), (host, results[host])
+        same_tree(src, tmp_path / host)
+        assert results[host].counters.corrupt == 0
+    for i in range(len(man.chunks)):  # every fetcher now holds every chunk on its host
+        assert bed.holders(chunk_key(man, i)) == ["hA", "hB", "hC", "hD"]
