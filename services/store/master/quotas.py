@@ -14,10 +14,11 @@ Enforced twice, both under the master's lock:
   once, spills to SSD and added replicas can take a tenant over, so its coldest objects (never
   the one just published) go until it is back within both quotas.
 
-A tenant's objects are kept in put order, oldest first: that order is "coldest" here (reads do
-not refresh it yet). Its usage is summed over its objects when needed, which costs one pass
-over the tenant's objects per put of a tenant with a quota; tenants without one (and the shared
-"" tenant unless it has one) are not tracked at all and cost nothing.
+A tenant's objects are kept in least-recently-used order (a put or a lookup makes an object the
+tenant's warmest): the front is its coldest. Its usage is summed over its objects when needed,
+which costs one pass over the tenant's objects per put of a tenant with a quota; tenants
+without one (and the shared "" tenant unless it has one) are not tracked at all and cost
+nothing.
 """
 
 from __future__ import annotations
@@ -116,7 +117,9 @@ class TenantQuotas:
     def __init__(self, catalog: Catalog, quotas: Mapping[str, Quota] | None = None) -> None:
         self._cat = catalog
         self.quotas: dict[str, Quota] = dict(quotas or {})
-        self._keys: dict[str, OrderedDict[str, None]] = {}  # tenant -> its keys, oldest first
+        self._keys: dict[str, OrderedDict[str, None]] = {}  # tenant -> its keys, coldest first
+        self.owners: dict[str, str] = {}
+        """key -> tenant, for the objects of tenants with a quota (empty: nothing to track)."""
         self.counters: dict[str, TenantCounters] = {}
 
     def set_quota(self, tenant: str, quota: Quota | None) -> None:
@@ -147,6 +150,7 @@ class TenantQuotas:
                 out.append(obj)
         for key in gone:
             del keys[key]
+            self.owners.pop(key, None)
         return out
 
     def usage(self, tenant: str) -> tuple[int, int, int]:
@@ -187,7 +191,16 @@ class TenantQuotas:
         if quota is None:
             return
         self._keys.setdefault(tenant, OrderedDict())[key] = None
+        self.owners[key] = tenant
         self._shrink(tenant, quota.dram, quota.ssd, keep=key)
+
+    def touch(self, objs: Iterable[Obj]) -> None:
+        """Objects just looked up become their tenants' warmest (last to be evicted)."""
+        owners, keys = self.owners, self._keys
+        for obj in objs:
+            tenant = owners.get(obj.key)
+            if tenant is not None:
+                keys[tenant].move_to_end(obj.key)
 
     def trim(self) -> None:
         """Bring every tenant within its quota (spills and added replicas move bytes too)."""
@@ -226,6 +239,7 @@ class TenantQuotas:
             self._cat.drop_rep(obj, rep, pb.BlockEvent.EVICTED)
         self._cat.evictions += 1
         self._keys[tenant].pop(obj.key, None)
+        self.owners.pop(obj.key, None)
         self.counters.setdefault(tenant, TenantCounters()).evictions += 1
         log.debug("quota eviction", extra={"key": obj.key, "tenant": tenant})
 

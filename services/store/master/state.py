@@ -260,6 +260,8 @@ class MasterState:
                 if fan is not None:  # counts reads by host; may start a fan-out copy
                     fan.note_read(obj, client_host_id, self.tiers)
             found = len(leased)
+            if self.quotas.owners:  # a tenant's objects read now are its warmest
+                self.quotas.touch(leased)
             cat.hits += found
             cat.misses += len(entries) - found
             if not leased:

@@ -123,3 +123,23 @@ def test_parsing_sizes_and_quota_flags() -> None:
                      ("acme=1G,2G,3G", "at most two"), ("a b=1G", "whitespace")]:
         with pytest.raises(InvalidArgument, match=why):
             parse_quota_flag(bad)
+
+
+def test_a_lookup_makes_an_object_its_tenants_warmest(clock: Clock) -> None:
+    st = make(clock, tenant_quotas={"a": Quota(dram=2 * KiB)})
+    node(st, "n", dram=8 * MiB)
+    put(st, "a0", "a")
+    put(st, "a1", "a")
+    assert found(st, ["a0"]) == [True]  # read: a1 is now the coldest
+    put(st, "a2", "a")
+    assert found(st, ["a0", "a1", "a2"]) == [True, False, True]
+
+
+def test_ssd_bytes_count_against_the_ssd_quota(clock: Clock) -> None:
+    st = make(clock, tenant_quotas={"a": Quota(dram=None, ssd=4 * KiB)})
+    node(st, "n", dram=KiB, ssd=8 * MiB)  # too small for any object: puts go to the SSD
+    for i in range(5):
+        put(st, f"a{i}", "a", size=2 * KiB)
+    row = tenant_row(st, "a")
+    assert (row.dram_used, row.ssd_used, row.ssd_quota) == (0, 4 * KiB, 4 * KiB)
+    assert found(st, [f"a{i}" for i in range(5)]) == [False] * 3 + [True] * 2
