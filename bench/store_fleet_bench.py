@@ -295,6 +295,16 @@ def p2p_present() -> bool:
 # -- rows -----------------------------------------------------------------------------------
 
 
+def attempt(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """One configuration of a row; its failure is recorded (and printed), so the row's other
+    configuration (the baseline, say) still counts."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        print(f"    failed: {e!r}")
+        return {"error": f"{type(e).__name__}: {e}"[:400]}
+
+
 def row_hot(sz: Sizes, echo: Callable[[str], None]) -> dict[str, Any]:
     """Row 1: the aggregate read rate of 6 readers on 3 hosts, fan-out off and on."""
     out: dict[str, Any] = {"blocks": sz.blocks, "block_bytes": sz.block}
@@ -303,10 +313,10 @@ def row_hot(sz: Sizes, echo: Callable[[str], None]) -> dict[str, Any]:
         if margs is None:
             out[label] = {"not_measured": "the master has no fan-out switch"}
             if label == "off":
-                out[label] = _hot_run(sz, [], echo)  # no switch = no fan-out: the baseline
+                out[label] = attempt(_hot_run, sz, [], echo)  # no switch: the baseline
                 out[label]["note"] = "master without fan-out"
             continue
-        out[label] = _hot_run(sz, margs, echo)
+        out[label] = attempt(_hot_run, sz, margs, echo)
     return out
 
 
@@ -359,8 +369,8 @@ def row_checkpoint(sz: Sizes, echo: Callable[[str], None]) -> dict[str, Any]:
     out: dict[str, Any] = {"bytes": _dir_bytes(src), "fetchers": sz.fetchers}
     hosts = [f"h{i}" for i in range(sz.fetchers)]
     echo("  [checkpoint] source alone")
-    out["source"] = _fetch_run(sz, src, [hosts], "http", echo)
-    out["p2p"] = (_fetch_run(sz, src, [hosts], "p2p", echo) if p2p_present()
+    out["source"] = attempt(_fetch_run, sz, src, [hosts], "http", echo)
+    out["p2p"] = (attempt(_fetch_run, sz, src, [hosts], "p2p", echo) if p2p_present()
                   else {"not_measured": "no `mooncake p2p` command"})
     shutil.rmtree(work, ignore_errors=True)
     return out
@@ -379,8 +389,8 @@ def row_model(sz: Sizes, echo: Callable[[str], None]) -> dict[str, Any]:
     out: dict[str, Any] = {"model": str(model), "bytes": _dir_bytes(model)}
     waves = [["pod0"], [f"pod{i + 1}" for i in range(sz.later_pods)]]
     echo("  [model] from the source")
-    out["source"] = _fetch_run(sz, model, waves, "http", echo)
-    out["p2p"] = (_fetch_run(sz, model, waves, "p2p-cli", echo) if p2p_present()
+    out["source"] = attempt(_fetch_run, sz, model, waves, "http", echo)
+    out["p2p"] = (attempt(_fetch_run, sz, model, waves, "p2p-cli", echo) if p2p_present()
                   else {"not_measured": "no `mooncake p2p` command"})
     return out
 
@@ -461,15 +471,15 @@ def row_tenants(sz: Sizes, echo: Callable[[str], None]) -> dict[str, Any]:
     putting 3x its quota (40% of the pool) without quotas, and with quotas."""
     quota = int(sz.pool * 0.4)
     out: dict[str, Any] = {"pool": sz.pool, "quota_a": quota, "working_set_b": quota}
-    out["alone"] = _tenant_run(sz, [], 0, echo)
-    out["no_quota"] = _tenant_run(sz, [], 3 * quota, echo)
+    out["alone"] = attempt(_tenant_run, sz, [], 0, echo)
+    out["no_quota"] = attempt(_tenant_run, sz, [], 3 * quota, echo)
     margs = quota_args("a", quota)
     if margs is None or not tenant_put_ok():
         out["quota"] = {"not_measured": "no quota setting on the master"
                         if margs is None else "puts carry no tenant"}
     else:
-        out["quota"] = _tenant_run(sz, [*margs, *(quota_args("b", quota) or [])], 3 * quota,
-                                   echo)
+        out["quota"] = attempt(_tenant_run, sz, [*margs, *(quota_args("b", quota) or [])],
+                               3 * quota, echo)
     return out
 
 
