@@ -37,7 +37,8 @@ def _fail(e: Exception) -> None:
 @click.option("--chunk-size", default="16MiB", show_default=True, type=SIZE,
               help="Chunk size (a chunk never spans two files).")
 @click.option("--pin/--no-pin", default=True, show_default=True,
-              help="Pin the chunks so the store never evicts them; --no-pin leaves them cache "
+              help="Soft-pin the chunks (evicted only when nothing unpinned can make room); "
+                   "--no-pin leaves them cache "
                    "(a fetch that misses one fails and its caller uses its own source).")
 def p2p_publish(directory: str, name: str, master: str, token: str, chunk_size: int,
                 pin: bool) -> None:

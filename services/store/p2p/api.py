@@ -62,12 +62,14 @@ def keep_segment(client: StoreClient, man: Manifest) -> str:
 def publish(directory: str | os.PathLike[str], name: str, *, client: StoreClient,
             chunk_size: int = DEFAULT_CHUNK, batch: int = 8, pin: bool = True) -> Manifest:
     """Cut every file under `directory` into chunks, store the chunks (this host's storage
-    node first: the store's local-first placement), then the manifest; with `pin` both are
-    pinned so the source is never evicted (without, they are cache like any object: a fetch
-    that finds a chunk gone fails, and the caller falls back to its own source).
-    Idempotent: chunks already stored are left alone; a different
-    directory under the same name replaces the manifest (old chunks stay until removed)."""
+    node first: the store's local-first placement), then the manifest. With `pin` both are
+    soft-pinned: the store evicts them only when unpinned objects cannot make the room (without,
+    they are cache like any object: a fetch that finds a chunk gone fails, and the caller falls
+    back to its own source). Idempotent: chunks already stored are left alone. A different
+    directory under the same name replaces the manifest and unpins the old chunks, which then
+    go before anything pinned."""
     man = build(directory, name, chunk_size)
+    _unpin_previous(client, man)
     root = Path(directory)
     todo = [(i, f, off) for f in man.files for i, off, _ in man.chunks_of(f)]
     keys = [chunk_key(man, i) for i, _, _ in todo]
@@ -94,6 +96,18 @@ def publish(directory: str | os.PathLike[str], name: str, *, client: StoreClient
     log.info("p2p published", extra={"p2p_name": name, "files": len(man.files),
                                       "chunks": len(man.chunks), "bytes": man.total_bytes})
     return man
+
+
+def _unpin_previous(client: StoreClient, man: Manifest) -> None:
+    """A different directory published under the same name: its predecessor's chunks become
+    cache (evictable, e.g. to make room for the new ones); fetchers still reading the old
+    version read them while they last, and a miss fails their get cleanly."""
+    try:
+        old = load_manifest(client, man.name)
+    except (ObjectNotFound, InvalidArgument):
+        return
+    if old.digest != man.digest and old.chunks:
+        client.pin([chunk_key(old, i) for i in range(len(old.chunks))], pin=False)
 
 
 def _read_at(path: Path, offset: int, size: int) -> bytes:

@@ -240,3 +240,33 @@ def test_fetchers_on_three_hosts_at_once_each_get_every_byte_and_serve_it(
         assert results[host].counters.corrupt == 0
     for i in range(len(man.chunks)):  # every fetcher now holds every chunk on its host
         assert bed.holders(chunk_key(man, i)) == ["hA", "hB", "hC", "hD"]
+
+
+def test_republishing_a_name_makes_the_old_chunks_evictable(tmp_path: Path) -> None:
+    """One 4 MiB node holding another published object (1 MiB, pinned, least recently used):
+    a name's second version (1.5 MiB) makes room by evicting the first version's chunks, which
+    became cache again, not the other object's (pins are soft: without the unpinning the LRU
+    pinned object, the other one, would go first)."""
+    def tree(name: str, size: int) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "w.bin").write_bytes(os.urandom(size))
+        return d
+
+    with StoreCluster() as cluster:
+        cluster.start_master()
+        node = start_host_node(cluster, "solo", "hA", 4 * MiB)
+        try:
+            with cluster.client(host_id="hA") as a:
+                other = publish(tree("other", 4 * CHUNK), "other", client=a, chunk_size=CHUNK)
+                first = publish(tree("v1", 6 * CHUNK), "m", client=a, chunk_size=CHUNK)
+                publish(tree("v2", 6 * CHUNK), "m", client=a, chunk_size=CHUNK)
+                assert all(a.exists([chunk_key(other, i) for i in range(4)]))
+                assert not all(a.exists([chunk_key(first, i) for i in range(6)]))
+            with cluster.client(host_id="hB") as b:
+                get("m", tmp_path / "got", client=b, keep=False)
+                get("other", tmp_path / "got-other", client=b, keep=False)
+            same_tree(tmp_path / "v2", tmp_path / "got")
+            same_tree(tmp_path / "other", tmp_path / "got-other")
+        finally:
+            node.stop()
