@@ -39,10 +39,42 @@ def total(ss: Iterable[Sample], name: str, **labels: str) -> float | None:
 
 
 @dataclass(frozen=True)
+class TenantUsage:
+    """One tenant's row of the master's per-tenant metrics (tenants with a quota)."""
+
+    tenant: str
+    dram_used: int
+    ssd_used: int
+    dram_quota: int | None
+    ssd_quota: int | None
+    evictions: int
+    refusals: int
+
+
+@dataclass(frozen=True)
 class StoreUsage:
     capacity_bytes: int
     used_bytes: int
     hit_rate: float | None
+    tenants: tuple[TenantUsage, ...] = ()
+
+
+def tenant_usage(ss: list[Sample]) -> tuple[TenantUsage, ...]:
+    """`mooncake_store_tenant_*{tenant}` samples as rows, by tenant name."""
+    names = sorted({lab["tenant"] for n, lab, _ in ss
+                    if n == "mooncake_store_tenant_used_bytes" and "tenant" in lab})
+
+    def get(name: str, tenant: str, **labels: str) -> int | None:
+        v = total(ss, name, tenant=tenant, **labels)
+        return None if v is None else int(v)
+
+    return tuple(TenantUsage(
+        t, get("mooncake_store_tenant_used_bytes", t, tier="dram") or 0,
+        get("mooncake_store_tenant_used_bytes", t, tier="ssd") or 0,
+        get("mooncake_store_tenant_quota_bytes", t, tier="dram"),
+        get("mooncake_store_tenant_quota_bytes", t, tier="ssd"),
+        get("mooncake_store_tenant_evictions_total", t) or 0,
+        get("mooncake_store_tenant_refusals_total", t) or 0) for t in names)
 
 
 def store_usage(text: str) -> StoreUsage | None:
@@ -54,4 +86,4 @@ def store_usage(text: str) -> StoreUsage | None:
     hits = total(ss, "mooncake_store_lookups_total", result="hit") or 0.0
     misses = total(ss, "mooncake_store_lookups_total", result="miss") or 0.0
     rate = hits / (hits + misses) if hits + misses > 0 else None
-    return StoreUsage(int(cap), int(used), rate)
+    return StoreUsage(int(cap), int(used), rate, tenant_usage(ss))

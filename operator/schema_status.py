@@ -49,6 +49,19 @@ def cluster_status_schema(roles: tuple[str, ...]) -> Schema:
             "capacityBytes": integer("Total bytes of all segments (DRAM and SSD)."),
             "usedBytes": integer("Bytes allocated to KV blocks."),
             "hitRate": number("Fraction of block lookups that hit since the master started."),
+            "tenants": array("Per tenant with a quota (spec.store.tenantQuotas): what it "
+                             "holds against it.", obj("One tenant.", {
+                                 "tenant": string("The tenant."),
+                                 "dramUsedBytes": integer("DRAM bytes it holds (every "
+                                                          "replica)."),
+                                 "ssdUsedBytes": integer("SSD bytes it holds."),
+                                 "dramQuotaBytes": integer("Its DRAM quota (absent: "
+                                                           "unlimited)."),
+                                 "ssdQuotaBytes": integer("Its SSD quota (absent: unlimited)."),
+                                 "evictions": integer("Its own objects evicted to keep it "
+                                                      "within its quota."),
+                                 "refusals": integer("Puts refused as over its quota."),
+                             }), max_items=256),
         }),
         "kvTransport": string("How KV moves between pods: `tcp`, or `rdma` (EXPERIMENTAL; "
                               "admission refuses it in this release).", enum=("tcp", "rdma")),

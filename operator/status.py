@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mooncake_k8s.operator import admission, groups, naming
-from mooncake_k8s.operator.metrics import StoreUsage
+from mooncake_k8s.operator.metrics import StoreUsage, TenantUsage
 from mooncake_k8s.operator.render import Rendered
 from mooncake_k8s.operator.schema import DATA_ROLES, ROLES
 
@@ -297,11 +297,23 @@ def _count(observed: Observed, role: str) -> int | None:
     return None if wl is None else int(wl.get("status", {}).get("replicas", 0))
 
 
+def _tenant(t: TenantUsage) -> Obj:
+    row: Obj = {"tenant": t.tenant, "dramUsedBytes": t.dram_used, "ssdUsedBytes": t.ssd_used,
+                "evictions": t.evictions, "refusals": t.refusals}
+    if t.dram_quota is not None:
+        row["dramQuotaBytes"] = t.dram_quota
+    if t.ssd_quota is not None:
+        row["ssdQuotaBytes"] = t.ssd_quota
+    return row
+
+
 def _store(spec: Obj, rendered: Rendered, usage: StoreUsage | None) -> Obj:
     if usage is not None:
         out: Obj = {"capacityBytes": usage.capacity_bytes, "usedBytes": usage.used_bytes}
         if usage.hit_rate is not None:
             out["hitRate"] = round(usage.hit_rate, 4)
+        if usage.tenants:
+            out["tenants"] = [_tenant(t) for t in usage.tenants]
         return out
     # Until the master answers, report the configured capacity so the column is never empty.
     per_node = naming.parse_bytes(spec["store"]["dramPerNode"])

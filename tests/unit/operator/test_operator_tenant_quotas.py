@@ -3,15 +3,21 @@ into the master's MOONCAKE_TENANT_QUOTAS, which the master's --tenant-quota read
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from mooncake_k8s.cli.main import _tenant_quotas
 from mooncake_k8s.operator import naming
+from mooncake_k8s.operator.metrics import store_usage
 from mooncake_k8s.operator.render import render
-from mooncake_k8s.operator.validation import InvalidResource, validate_cluster
+from mooncake_k8s.operator.schema import ROLES
+from mooncake_k8s.operator.schema_status import cluster_status_schema
+from mooncake_k8s.operator.status import Observed, aggregate
+from mooncake_k8s.operator.validation import InvalidResource, validate, validate_cluster
+from mooncake_k8s.store.master.quotas import TenantUsage, tenant_metrics
 
 Obj = dict[str, Any]
 GiB = 1 << 30
@@ -56,3 +62,31 @@ def test_bad_quotas_are_refused_naming_the_field(make_cluster: Callable[..., Obj
     with pytest.raises(InvalidResource) as info:
         validate_cluster(make_cluster({"store": {"tenantQuotas": quotas}}))
     assert any(why in e for e in info.value.errors), info.value.errors
+
+
+def test_status_reports_each_tenant_from_the_masters_metrics(
+        make_cluster: Callable[..., Obj]) -> None:
+    """The master's own exposition (quotas.tenant_metrics through a registry) read by the
+    operator into status.store.tenants, which the status schema accepts."""
+    registry = CollectorRegistry()
+
+    class Tenants:
+        def collect(self) -> Iterator[Any]:
+            yield from tenant_metrics([
+                TenantUsage("team-a", GiB, 0, 3, GiB, None, 12, 1),
+                TenantUsage("", 5, 7, 2, None, 64, 0, 0)])
+
+    registry.register(Tenants())  # type: ignore[arg-type]
+    text = ('mooncake_store_capacity_bytes{segment="s",tier="dram"} 4096\n'
+            + generate_latest(registry).decode())
+    usage = store_usage(text)
+    assert usage is not None
+    c = validate_cluster(make_cluster({}))
+    r = render(c)
+    status = aggregate(c, r, Observed({}, [], usage), "2026-01-01T00:00:00Z")
+    assert status["store"]["tenants"] == [
+        {"tenant": "", "dramUsedBytes": 5, "ssdUsedBytes": 7, "ssdQuotaBytes": 64,
+         "evictions": 0, "refusals": 0},
+        {"tenant": "team-a", "dramUsedBytes": GiB, "ssdUsedBytes": 0, "dramQuotaBytes": GiB,
+         "evictions": 12, "refusals": 1}]
+    validate(cluster_status_schema(ROLES), status)  # raises if the CRD would refuse it
