@@ -1,5 +1,5 @@
 """The per-host side of bench/store_fleet_bench.py: one role per process, spawned on an
-emulated host (`store_fleet_bench.py --worker SPEC`).
+emulated host (`python bench/store_fleet_worker.py SPEC`).
 
 A role reads its JSON spec, writes `<name>.ready` in the run's work directory when it is set
 up, waits for the `go` file where its phase is timed, and writes `<name>.result.json`. Roles
@@ -386,3 +386,9 @@ def run_worker(spec_path: Path) -> int:
             with contextlib.suppress(Exception):
                 ctx.node.stop()
     return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(run_worker(Path(sys.argv[1])))
