@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +117,17 @@ class Fleet:
             *self.master_args])
         self.wait_http("master", f"http://{m.addr}:{self.port + 1}/metrics")
 
+    def master_samples(self, prefix: str) -> dict[str, float]:
+        """The master's Prometheus samples whose name starts with `prefix` (labels kept)."""
+        m = self.host("master")
+        text = m.call(_fetch_text, f"http://{m.addr}:{self.port + 1}/metrics")
+        out = {}
+        for line in text.splitlines():
+            if line.startswith(prefix):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
     def store_node(self, name: str, host: str, dram: int, *extra: str) -> None:
         """`mooncake store node` on `host` (its own process, as a storage pod), registered."""
         h = self.host(host)
@@ -195,6 +207,12 @@ class Fleet:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"worker {n} not ready: {self.tail(n)}")
                 time.sleep(0.05)
+
+
+def _fetch_text(url: str) -> str:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(url, timeout=10) as r:
+        return str(r.read().decode())
 
 
 @contextlib.contextmanager

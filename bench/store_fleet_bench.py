@@ -113,13 +113,14 @@ def _hot_run(sz: Sizes, margs: list[str], echo: Callable[[str], None]) -> dict[s
         f.go()
         res = {r: f.result(r, sz.timeout_s + sz.read_s) for r in readers}
         after = f.bed.counters()
+        fan = f.master_samples("mooncake_store_fanout")
     total = sum(r["bytes"] for r in res.values())
     secs = max(r["seconds"] for r in res.values())
     late = sum(r["bytes_late"] for r in res.values())
     run = {"readers": res, "bytes": total, "seconds": secs, "rate_Bps": total / secs,
            "late_rate_Bps": late / max(1e-9, secs - sz.read_s / 2),
            "src_sent": after["src"][0] - before["src"][0],
-           "wrong": sum(r["wrong"] for r in res.values())}
+           "wrong": sum(r["wrong"] for r in res.values()), "master_fanout": fan}
     echo(f"    aggregate {run['rate_Bps'] / MiB:.1f} MiB/s (second half "
          f"{run['late_rate_Bps'] / MiB:.1f} MiB/s), src sent "
          f"{run['src_sent'] / MiB:.1f} MiB, wrong {run['wrong']}")
@@ -277,9 +278,10 @@ def _tenant_run(sz: Sizes, margs: list[str], flood: int,
         a = f.result("a", sz.timeout_s)
         (f.work / "flood-done").write_text("")
         b = f.result("b", sz.timeout_s)
+        tenants = f.master_samples("mooncake_store_tenant")
     echo(f"    B hit rate during {b['during_hit']:.3f}, after {b['after_hit']:.3f}; "
          f"A put {a['acked']}/{a['puts']}")
-    return {"b": b, "a": a}
+    return {"b": b, "a": a, "master_tenants": tenants}
 
 
 def row_restart(sz: Sizes, echo: Callable[[str], None]) -> dict[str, Any]:
