@@ -208,8 +208,11 @@ def _fetch_run(sz: Sizes, src: Path, waves: list[list[str]], how: str,
                         *CLI, "p2p", "get", "ckpt", dest, "--master", f.master,
                         "--keep-on", f"{h}-node-dram-0"])
             f.wait_ready(wave, sz.timeout_s)
+            before = f.bed.counters()
             f.go()
             res = {h: f.result(h, sz.timeout_s) for h in wave}
+            after = f.bed.counters()
+            sent = {h: after[h][0] - before[h][0] for h in after}  # who served the bytes
             names.update({r.get("host_id"): h for h, r in res.items()})
             for r in res.values():  # chunks by the emulated host that served them
                 if "by_host" in r:
@@ -219,8 +222,9 @@ def _fetch_run(sz: Sizes, src: Path, waves: list[list[str]], how: str,
                 shutil.rmtree(f.work / f"{h}-dir", ignore_errors=True)  # GBs at full size
             secs = max(r["seconds"] for r in res.values())
             echo(f"    {how} wave {n}: all {len(wave)} in {secs:.2f}s, verified "
-                 f"{sum(r['verified'] for r in res.values())}/{len(wave)}")
-            waves_out.append({"hosts": res, "all_s": secs})
+                 f"{sum(r['verified'] for r in res.values())}/{len(wave)}, source sent "
+                 f"{sent['src'] / MiB:.0f} MiB")
+            waves_out.append({"hosts": res, "all_s": secs, "sent_bytes": sent})
     return {"waves": waves_out}
 
 
