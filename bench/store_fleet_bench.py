@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import glob
 import json
 import os
 import platform
@@ -59,6 +60,7 @@ from bench.multihost_bench import BENCH_DIR, _met, render
 from bench.store_fleet_bed import (
     CLI,
     LINK_BPS,
+    Fleet,
     Sizes,
     fanout_args,
     fleet,
@@ -66,6 +68,7 @@ from bench.store_fleet_bed import (
     quota_args,
     tenant_put_ok,
 )
+from mooncake_k8s.transfer.segments import cluster_tag
 
 MiB = 1 << 20
 
@@ -313,17 +316,27 @@ def row_restart(sz: Sizes, echo: Callable[[str], None]) -> dict[str, Any]:
         except (RuntimeError, TimeoutError):
             reg_s = None
         started = f.procs["node"].poll() is None
+        shm = _shm_bytes(f)  # the dead node's DRAM segment reclaimed, not a second one
         f.go()
         chk = f.result("check", sz.timeout_s + 60)
         started = started and f.procs["node"].poll() is None
         out = {"objects": n, "fill": fill, "check": chk, "node_started": started,
-               "registered_s": reg_s, "node_log_tail": "" if started else f.tail("node", 400)}
+               "registered_s": reg_s, "shm_bytes_after": shm, "dram_size": sz.ssd_dram,
+               "node_log_tail": "" if started else f.tail("node", 400)}
         f.kill("node", signal.SIGTERM)
         shutil.rmtree(ssd, ignore_errors=True)
+    echo(f"    /dev/shm after the restart: {shm / MiB:.0f} MiB (one node's DRAM "
+         f"{sz.ssd_dram / MiB:.0f} MiB)")
     echo(f"    node {'started' if started else 'did NOT start'} (registered after {reg_s}s); "
          f"listed again {chk['listed']}, served verified {chk['verified']} (wrong "
          f"{chk['wrong']}), listed by {chk['adopt_s']}s")
     return out
+
+
+def _shm_bytes(f: Fleet) -> int:
+    """Bytes of this bed's cluster's segment files in /dev/shm."""
+    tag = cluster_tag([f.master])
+    return sum(os.stat(p).st_size for p in glob.glob(f"/dev/shm/mooncake-{tag}-*"))
 
 
 ROWS: dict[int, tuple[str, Callable[[Sizes, Callable[[str], None]], dict[str, Any]]]] = {
@@ -412,7 +425,8 @@ def _t_restart(r: dict[str, Any]) -> list[str]:
     reg = f"{r['registered_s']:.1f}s" if r.get("registered_s") is not None else "never"
     o = (f"{ck['verified']}/{r['fill']['acked']} objects served verified ({ck['wrong']} "
          f"wrong; {r['fill']['ssd_objects']} were on SSD), registered again in {reg}, "
-         f"listed by {adopt}" if r["node_started"]
+         f"listed by {adopt}; /dev/shm {r['shm_bytes_after'] / MiB:.0f} MiB for a "
+         f"{r['dram_size'] / MiB:.0f} MiB node" if r["node_started"]
          else f"node did not start: {r['node_log_tail'][-160:]}")
     return [f"node restarted with {r['fill']['ssd_used'] / MiB:.0f} MiB on SSD: objects served "
             "again, time to re-adopt", "all verified ones; report", o, "-", "-"]
