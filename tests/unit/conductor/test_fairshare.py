@@ -63,7 +63,7 @@ def test_the_refusal_is_a_429_with_retry_after_and_its_own_code() -> None:
         fs.enter("a")
     err = api_error(info.value)
     assert err.status == 429 and err.code == "tenant_share"
-    assert err.headers["Retry-After"] == "1"
+    assert err.headers is not None and err.headers["Retry-After"] == "1"
 
 
 def test_bad_use_is_an_error() -> None:
