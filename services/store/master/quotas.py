@@ -15,10 +15,14 @@ Enforced twice, both under the master's lock:
   the one just published) go until it is back within both quotas.
 
 A tenant's objects are kept in least-recently-used order (a put or a lookup makes an object the
-tenant's warmest): the front is its coldest. Its usage is summed over its objects when needed,
-which costs one pass over the tenant's objects per put of a tenant with a quota; tenants
-without one (and the shared "" tenant unless it has one) are not tracked at all and cost
-nothing.
+tenant's warmest): the front is its coldest. Its bytes are counted as its objects are
+published and evicted for its quota, so a put costs only the objects it evicts; they are
+counted exactly (one pass over its objects) every `RECOUNT_S` on the master's tick, and when
+the count says no room can be made. Between recounts, replicas added by spills, promotions,
+hot-block keeps and fan-out are not counted yet (a tenant may pass its quota by them for up to
+`RECOUNT_S`), and bytes evicted or removed by others still are (it only evicts sooner).
+Tenants without a quota (and the shared "" tenant unless it has one) are not tracked at all
+and cost nothing.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ __all__ = ["Quota", "QuotaExceeded", "TenantQuotas", "TenantUsage", "parse_quota
            "parse_size"]
 
 MAX_TENANT_BYTES = 128
+RECOUNT_S = 1.0
+"""How often the master counts each tenant's bytes exactly (on its tick)."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,13 @@ class TenantUsage:
             ssd_quota=self.ssd_quota or 0, evictions=self.evictions, refusals=self.refusals)
 
 
+def _bytes(obj: Obj) -> tuple[int, int]:
+    """(DRAM, SSD) bytes of an object's replicas."""
+    size, reps = obj.size, obj.reps
+    dram = sum(size for r in reps if r.seg.tier == DRAM)
+    return dram, len(reps) * size - dram
+
+
 class TenantQuotas:
     """Per-tenant ownership, usage and quota enforcement; a part of `state.MasterState` (its
     lock is held around every call)."""
@@ -121,6 +134,9 @@ class TenantQuotas:
         self.owners: dict[str, str] = {}
         """key -> tenant, for the objects of tenants with a quota (empty: nothing to track)."""
         self.counters: dict[str, TenantCounters] = {}
+        self._used: dict[str, list[int]] = {}
+        """tenant -> [DRAM, SSD] bytes as counted (see the module docstring)."""
+        self._next_recount = 0.0
 
     def set_quota(self, tenant: str, quota: Quota | None) -> None:
         """Set (or with None drop) a tenant's quota; applied by the next put and tick."""
@@ -129,6 +145,7 @@ class TenantQuotas:
             self.quotas.pop(tenant, None)
         else:
             self.quotas[tenant] = quota
+        self._next_recount = 0.0
 
     def tracked(self, tenant: str) -> bool:
         return tenant in self.quotas
@@ -168,6 +185,18 @@ class TenantQuotas:
 
     # -- enforcement ---------------------------------------------------------------------------
 
+    def _estimate(self, tenant: str) -> list[int]:
+        """The tenant's [DRAM, SSD] bytes as counted at puts and quota evictions (see the
+        module docstring: `recount` makes it exact)."""
+        used = self._used.get(tenant)
+        return used if used is not None else self.recount(tenant)
+
+    def recount(self, tenant: str) -> list[int]:
+        """Count the tenant's bytes exactly (one pass over its objects)."""
+        dram, ssd, _ = self.usage(tenant)
+        used = self._used[tenant] = [dram, ssd]
+        return used
+
     def admit(self, tenant: str, size: int, replicas: int) -> None:
         """Make room in the tenant's DRAM quota for a new object of `size` x `replicas`, by
         evicting its own coldest objects; QuotaExceeded when that cannot be done."""
@@ -179,7 +208,7 @@ class TenantQuotas:
             self._refuse(tenant, f"tenant {tenant!r}: an object of {size} bytes x{replicas} "
                                  f"is larger than its DRAM quota of {quota.dram} bytes")
         if not self._shrink(tenant, quota.dram - need, quota.ssd, keep=""):
-            dram, _, _ = self.usage(tenant)
+            dram = self._estimate(tenant)[0]
             self._refuse(tenant, f"tenant {tenant!r} is at its DRAM quota ({dram} of "
                                  f"{quota.dram} bytes used) and none of its objects can be "
                                  "evicted now (leased, pinned or being copied)")
@@ -190,8 +219,15 @@ class TenantQuotas:
         quota = self.quotas.get(tenant)
         if quota is None:
             return
+        used = self._used.get(tenant)
         self._keys.setdefault(tenant, OrderedDict())[key] = None
         self.owners[key] = tenant
+        if used is None:
+            self.recount(tenant)  # (counts `key` too)
+        else:
+            d, s = _bytes(self._cat.objects[key])
+            used[0] += d
+            used[1] += s
         self._shrink(tenant, quota.dram, quota.ssd, keep=key)
 
     def touch(self, objs: Iterable[Obj]) -> None:
@@ -203,36 +239,70 @@ class TenantQuotas:
                 keys[tenant].move_to_end(obj.key)
 
     def trim(self) -> None:
-        """Bring every tenant within its quota (spills and added replicas move bytes too)."""
+        """Bring every tenant within its quota; every RECOUNT_S its bytes are counted exactly
+        first (spills, added replicas and other evictions move bytes too)."""
+        now = self._cat.now()
+        exact = now >= self._next_recount
+        if exact:
+            self._next_recount = now + RECOUNT_S
         for tenant, quota in self.quotas.items():
+            if exact:
+                self.recount(tenant)
             self._shrink(tenant, quota.dram, quota.ssd, keep="")
 
     def _shrink(self, tenant: str, dram_max: int | None, ssd_max: int | None,
                 keep: str) -> bool:
         """Evict the tenant's coldest evictable objects until its DRAM bytes are <= dram_max
-        and its SSD bytes <= ssd_max; whether it got there."""
-        objs = list(self._live(tenant))
-        dram = ssd = 0
-        sizes = []
-        for obj in objs:
-            size = obj.size
-            d = sum(size for r in obj.reps if r.seg.tier == DRAM)
-            s = len(obj.reps) * size - d
-            sizes.append((d, s))
-            dram += d
-            ssd += s
-        for obj, (d, s) in zip(objs, sizes, strict=True):
-            if (dram_max is None or dram <= dram_max) and (ssd_max is None or ssd <= ssd_max):
-                return True
-            if obj.key == keep or obj.state >= LEASE or obj.state & (COPYING | PINNED):
+        and its SSD bytes <= ssd_max; whether it got there. Walks its objects from the coldest
+        only as far as it must; when the count says it cannot get there, counts exactly
+        (objects evicted or removed elsewhere still counted) and tries once more."""
+        def within(u: list[int]) -> bool:
+            return (dram_max is None or u[0] <= dram_max) and (ssd_max is None or u[1] <= ssd_max)
+
+        used = self._estimate(tenant)
+        if within(used):
+            return True
+        self._evict_coldest(tenant, used, dram_max, ssd_max, keep)
+        if within(used):
+            return True
+        used = self.recount(tenant)
+        if not within(used):
+            self._evict_coldest(tenant, used, dram_max, ssd_max, keep)
+        return within(used)
+
+    def _evict_coldest(self, tenant: str, used: list[int], dram_max: int | None,
+                       ssd_max: int | None, keep: str) -> None:
+        """One pass of `_shrink` from the coldest object: evicts and updates `used`."""
+        keys = self._keys.get(tenant)
+        if not keys:
+            return
+        objects = self._cat.objects
+        victims: list[tuple[Obj, int, int]] = []
+        gone: list[str] = []
+        dram, ssd = used
+        for key in keys:
+            dram_over = dram_max is not None and dram > dram_max
+            ssd_over = ssd_max is not None and ssd > ssd_max
+            if not dram_over and not ssd_over:
+                break
+            obj = objects.get(key)
+            if obj is None or obj.hidden:
+                gone.append(key)
                 continue
-            if (dram_max is None or dram <= dram_max or not d) and (
-                    ssd_max is None or ssd <= ssd_max or not s):
-                continue  # it frees nothing in the tier that is over
+            if key == keep or obj.state >= LEASE or obj.state & (COPYING | PINNED):
+                continue
+            d, s = _bytes(obj)
+            if (dram_over and d) or (ssd_over and s):  # it frees bytes in a tier that is over
+                victims.append((obj, d, s))
+                dram -= d
+                ssd -= s
+        for key in gone:
+            del keys[key]
+            self.owners.pop(key, None)
+        for obj, d, s in victims:
             self._evict(tenant, obj)
-            dram -= d
-            ssd -= s
-        return (dram_max is None or dram <= dram_max) and (ssd_max is None or ssd <= ssd_max)
+            used[0] -= d
+            used[1] -= s
 
     def _evict(self, tenant: str, obj: Obj) -> None:
         for rep in obj.reps:

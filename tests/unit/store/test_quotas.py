@@ -143,3 +143,22 @@ def test_ssd_bytes_count_against_the_ssd_quota(clock: Clock) -> None:
     row = tenant_row(st, "a")
     assert (row.dram_used, row.ssd_used, row.ssd_quota) == (0, 4 * KiB, 4 * KiB)
     assert found(st, [f"a{i}" for i in range(5)]) == [False] * 3 + [True] * 2
+
+
+def test_objects_removed_elsewhere_stop_counting_without_costing_evictions(
+        clock: Clock) -> None:
+    """The running count still holds removed objects; when it says no room can be made, the
+    master counts exactly instead of refusing or evicting what fits."""
+    st = make(clock, tenant_quotas={"a": Quota(dram=2 * KiB)})
+    node(st, "n", dram=8 * MiB)
+    put(st, "a0", "a")
+    put(st, "a1", "a")
+    put(st, "keep", "b")
+    assert st.remove(["a0", "a1"]) == [True, True]
+    lk = st.get_replicas(["keep"])
+    put(st, "a2", "a")
+    put(st, "a3", "a")
+    st.release_lease(lk.lease_id)
+    assert found(st, ["a2", "a3", "keep"]) == [True, True, True]
+    row = tenant_row(st, "a")
+    assert (row.dram_used, row.objects, row.evictions, row.refusals) == (2 * KiB, 2, 0, 0)
