@@ -128,6 +128,8 @@ def role_env(ctx: Ctx, role: str) -> tuple[list[Obj], list[str]]:
                env_var("MOONCAKE_TBT_SLO_MS", spec["slo"]["tbtMs"])]
         if spec["roles"]["conductor"].get("apiKeysSecret"):
             env.append(env_var("MOONCAKE_API_KEYS_FILE", "/etc/mooncake/api-keys/api-keys"))
+        if "tenantFairShare" in spec["slo"]:
+            env.append(env_var("MOONCAKE_TENANT_FAIR_SHARE", spec["slo"]["tenantFairShare"]))
         return env, ["conductor", "--host", "0.0.0.0", "--allow-any-address"]
     # prefill / decode
     env = [env_var("MOONCAKE_HOST", "$(MOONCAKE_POD_IP)"),

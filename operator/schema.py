@@ -420,6 +420,11 @@ def cluster_spec_schema() -> Schema:
                                   default=2000, minimum=1),
                 "tbtMs": integer("Time-between-tokens objective in milliseconds.",
                                  default=100, minimum=1),
+                "tenantFairShare": integer(
+                    "Fair admission between tenants: with this many requests in flight on a "
+                    "Conductor pod, a tenant holding its max-min fair share of them (this over "
+                    "the tenants with requests in flight) is refused with a 429 "
+                    "(tenant_share) while other tenants still get in. Unset: off.", minimum=1),
             }, default={}),
             "autoscaling": _autoscaling(),
             "metadataBackend": _metadata_backend(),

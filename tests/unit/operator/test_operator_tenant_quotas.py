@@ -90,3 +90,17 @@ def test_status_reports_each_tenant_from_the_masters_metrics(
         {"tenant": "team-a", "dramUsedBytes": GiB, "ssdUsedBytes": 0, "dramQuotaBytes": GiB,
          "evictions": 12, "refusals": 1}]
     validate(cluster_status_schema(ROLES), status)  # raises if the CRD would refuse it
+
+
+def test_fair_admission_reaches_the_conductor_only_when_set(
+        make_cluster: Callable[..., Obj]) -> None:
+    def conductor_env(spec: Obj) -> dict[str, str]:
+        r = render(validate_cluster(make_cluster(spec)))
+        pod = r.get("Deployment", naming.name("demo", "conductor"))["spec"]["template"]["spec"]
+        (c,) = [c for c in pod["containers"] if c["name"] == "conductor"]
+        return {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
+
+    assert conductor_env({"slo": {"tenantFairShare": 64}})["MOONCAKE_TENANT_FAIR_SHARE"] == "64"
+    assert "MOONCAKE_TENANT_FAIR_SHARE" not in conductor_env({})
+    with pytest.raises(InvalidResource, match=r"spec\.slo\.tenantFairShare"):
+        validate_cluster(make_cluster({"slo": {"tenantFairShare": 0}}))
