@@ -33,6 +33,7 @@ from mooncake_k8s.common.netutil import free_service_port
 from mooncake_k8s.common.procs import Proc
 from mooncake_k8s.common.tenants import read_api_keys
 from mooncake_k8s.supervise import RestartPolicy, Supervisor
+from mooncake_k8s.transfer.segments import cluster_tag, reap_stale
 
 
 @dataclass
@@ -315,6 +316,9 @@ class LocalCluster:
                 p.popen.wait(timeout=10)
         for p in order:
             _kill_group(p)
+        # A process killed (-9, or by a crash) left its shared-memory segment: remove the
+        # cluster's files that no live process holds any more.
+        reap_stale(cluster_tag([self.master]))
 
     def __enter__(self) -> LocalCluster:
         try:

@@ -24,8 +24,7 @@ from mooncake_k8s.common.netutil import free_port
 from mooncake_k8s.common.procs import Proc
 from mooncake_k8s.store.client.client import StoreClient
 from mooncake_k8s.store.client.masterlink import parse_masters
-from mooncake_k8s.store.node.server import segment_tag
-from mooncake_k8s.transfer.segments import reap_stale
+from mooncake_k8s.transfer.segments import cluster_tag, reap_stale
 
 
 @dataclass
@@ -110,7 +109,7 @@ class LocalCluster:
         for proc in [*self.nodes.values(), *([self.master] if self.master else [])]:
             if proc.alive():
                 self.kill(proc, signal.SIGTERM)
-        reap_stale(segment_tag(parse_masters(self.master_address)))
+        reap_stale(cluster_tag(parse_masters(self.master_address)))
 
     def __enter__(self) -> Self:
         return self

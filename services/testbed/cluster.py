@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from mooncake_k8s.testbed.bed import Host, Testbed
+from mooncake_k8s.transfer.segments import cluster_tag, reap_stale
 from mooncake_k8s.up import UpConfig, prepare_model
 
 T = TypeVar("T")
@@ -264,6 +265,8 @@ class BedCluster:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
                 p.wait(timeout=10)
+        # What killed processes left in /dev/shm (files of this cluster no one holds).
+        reap_stale(cluster_tag([self.master]))
 
     def __enter__(self) -> BedCluster:
         try:

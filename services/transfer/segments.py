@@ -16,6 +16,7 @@ import contextlib
 import enum
 import fcntl
 import glob
+import hashlib
 import logging
 import mmap
 import os
@@ -298,6 +299,12 @@ def _remove_if_dead(path: str) -> bool:
         return True
     finally:
         os.close(fd)
+
+
+def cluster_tag(masters: list[str]) -> str:
+    """The tag of a cluster's shared-memory files: a digest of its masters' addresses (as
+    `host:port`, in the order the node was given them)."""
+    return hashlib.sha256(",".join(masters).encode()).hexdigest()[:8]
 
 
 def reap_stale(tag: str) -> list[str]:

@@ -194,10 +194,11 @@ class Worker(Generic[E]):
             return
         from mooncake_k8s.store.local import LocalSegment, LocalSegmentConfig
 
-        # The node id is unique in the cluster (role and instance) and on the host (the gRPC
-        # port, held while this runs; the same after a restart when --port is fixed), so two
-        # clusters on one host, both with a "decode-0", never register each other's segment.
-        node_id = f"{self.role}-{cfg.instance_id}-{self.port}"
+        # The node id is unique in the cluster (role and instance) and stable across restarts
+        # of the instance (no pid, no port): a restarted worker takes over the shared-memory
+        # file its killed predecessor left instead of leaving it beside a new one. Two clusters
+        # on one host, both with a "decode-0", keep apart: their files are tagged by master.
+        node_id = f"{self.role}-{cfg.instance_id}"
         self._segment = LocalSegment(LocalSegmentConfig(
             master=cfg.master, owner_id=node_id, size=cfg.local_segment_size,
             token=cfg.token, host=cfg.host, advertise_host=cfg.advertise_host,

@@ -14,7 +14,6 @@ segments directly: through /dev/shm on the same host, or through the TCP transfe
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import signal
@@ -39,6 +38,7 @@ from mooncake_k8s.transfer import Segment, Tier, TransferServer
 from mooncake_k8s.transfer.engine import TransferEngine
 from mooncake_k8s.transfer.ops import ReadOp
 from mooncake_k8s.transfer.rdma import RdmaInfoCollector
+from mooncake_k8s.transfer.segments import cluster_tag
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ class StorageNode:
         # Node ids are unique within a cluster, not on a host: the masters' addresses tag the
         # shared-memory files, so another cluster's node of the same id keeps its own. The
         # names are stable, so a restarted node takes over its dead predecessor's file.
-        tag = segment_tag(self._link.addresses)
+        tag = cluster_tag(self._link.addresses)
         for i in range(max(1, cfg.dram_segments)):
             self._add_segment(Segment.create_shm(f"{cfg.node_id}-dram-{i}", per, replace=True,
                                                  populate=cfg.prefault, tag=tag))
@@ -431,11 +431,6 @@ class StorageNode:
             seg = self.segments[name]
             self.metrics.used.labels(name, seg.desc.tier.value).set(used)
         self.metrics.objects.set(len(self.inventory))
-
-
-def segment_tag(masters: list[str]) -> str:
-    """The tag of a cluster's shared-memory files: a digest of its masters' addresses."""
-    return hashlib.sha256(",".join(masters).encode()).hexdigest()[:8]
 
 
 def _always(_e: grpc.RpcError, _method: str) -> bool:
