@@ -31,6 +31,40 @@ def _role_status() -> Schema:
     })
 
 
+def _store_status() -> Schema:
+    """status.store: the pool's usage and each quota'd tenant's, from the master's metrics."""
+    return obj("KV cache pool usage, read from the master's metrics.", {
+        "capacityBytes": integer("Total bytes of all segments (DRAM and SSD)."),
+        "usedBytes": integer("Bytes allocated to KV blocks."),
+        "hitRate": number("Fraction of block lookups that hit since the master started."),
+        "tenants": array("Per tenant with a quota (spec.store.tenantQuotas): what it "
+                         "holds against it.", obj("One tenant.", {
+                             "tenant": string("The tenant."),
+                             "dramUsedBytes": integer("DRAM bytes it holds (every "
+                                                      "replica)."),
+                             "ssdUsedBytes": integer("SSD bytes it holds."),
+                             "dramQuotaBytes": integer("Its DRAM quota (absent: "
+                                                       "unlimited)."),
+                             "ssdQuotaBytes": integer("Its SSD quota (absent: unlimited)."),
+                             "evictions": integer("Its own objects evicted to keep it "
+                                                  "within its quota."),
+                             "refusals": integer("Puts refused as over its quota."),
+                         }), max_items=256),
+    })
+
+
+def _prefill_groups_status() -> Schema:
+    """status.prefillGroups: the pipeline groups the prefill replicas make."""
+    return obj("Prefill pipeline groups (roles.prefill.pipelineGroupSize above 1): the "
+               "Conductor routes only to whole ones.", {
+        "size": integer("Pods (stages) per group."),
+        "total": integer("Groups the prefill replicas make."),
+        "whole": integer("Groups whose every stage is ready."),
+        "restarts": integer("Groups the operator restarted together since it started "
+                            "(a stage restarted alone, so its peers were deleted)."),
+    })
+
+
 def cluster_status_schema(roles: tuple[str, ...]) -> Schema:
     """The status of a cluster whose pods play `roles`."""
     s = obj("Observed state, written by the operator.", {
@@ -45,24 +79,7 @@ def cluster_status_schema(roles: tuple[str, ...]) -> Schema:
         "roles": obj("Per-role replicas.", {r: _role_status() for r in roles}),
         "servingRevision": string("Revision prefill and decode pair on (label "
                                   "`mooncake.io/serving-revision`, env MOONCAKE_REVISION)."),
-        "store": obj("KV cache pool usage, read from the master's metrics.", {
-            "capacityBytes": integer("Total bytes of all segments (DRAM and SSD)."),
-            "usedBytes": integer("Bytes allocated to KV blocks."),
-            "hitRate": number("Fraction of block lookups that hit since the master started."),
-            "tenants": array("Per tenant with a quota (spec.store.tenantQuotas): what it "
-                             "holds against it.", obj("One tenant.", {
-                                 "tenant": string("The tenant."),
-                                 "dramUsedBytes": integer("DRAM bytes it holds (every "
-                                                          "replica)."),
-                                 "ssdUsedBytes": integer("SSD bytes it holds."),
-                                 "dramQuotaBytes": integer("Its DRAM quota (absent: "
-                                                           "unlimited)."),
-                                 "ssdQuotaBytes": integer("Its SSD quota (absent: unlimited)."),
-                                 "evictions": integer("Its own objects evicted to keep it "
-                                                      "within its quota."),
-                                 "refusals": integer("Puts refused as over its quota."),
-                             }), max_items=256),
-        }),
+        "store": _store_status(),
         "kvTransport": string("How KV moves between pods: `tcp`, or `rdma` (EXPERIMENTAL; "
                               "admission refuses it in this release).", enum=("tcp", "rdma")),
         "rdma": obj("EXPERIMENTAL, with rdma.enabled: what the rdma-probe init containers found "
@@ -78,14 +95,7 @@ def cluster_status_schema(roles: tuple[str, ...]) -> Schema:
             "reason": string("Why."),
             "time": string("When (RFC 3339)."),
         }),
-        "prefillGroups": obj("Prefill pipeline groups (roles.prefill.pipelineGroupSize above "
-                             "1): the Conductor routes only to whole ones.", {
-            "size": integer("Pods (stages) per group."),
-            "total": integer("Groups the prefill replicas make."),
-            "whole": integer("Groups whose every stage is ready."),
-            "restarts": integer("Groups the operator restarted together since it started "
-                                "(a stage restarted alone, so its peers were deleted)."),
-        }),
+        "prefillGroups": _prefill_groups_status(),
         "endpoint": string("In-cluster URL of the OpenAI-compatible API."),
     })
     conditions = s["properties"]["conditions"]
