@@ -38,8 +38,9 @@ class Bed:
         return sorted(loc.segment.name for loc in got.replicas) if got else []
 
     def metric(self, labels: str) -> float:
-        return metric_value(self.cluster.master.metrics(), "mooncake_store_fanout_replicas_total",
-                            labels)
+        master = self.cluster.master
+        assert master is not None, "the cluster's master is not running"
+        return metric_value(master.metrics(), "mooncake_store_fanout_replicas_total", labels)
 
 
 def wait_for(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
