@@ -9,7 +9,9 @@ the last kills the only decode left.
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 import threading
 import time
 import urllib.error
@@ -21,6 +23,7 @@ import openai
 import pytest
 
 from mooncake_k8s.store.testing import metric_value
+from mooncake_k8s.transfer.segments import SHM_DIR, cluster_tag
 from mooncake_k8s.up import LocalCluster, UpConfig
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -148,6 +151,11 @@ def test_non_streaming_request_is_resumed(cluster: LocalCluster,
     cluster.respawn(dead)
     cluster.wait_ready()
     _wait_decodes_ready(cluster, 2)
+    # The respawned decode took over the segment its killed predecessor left: one per decode.
+    shm = glob.glob(os.path.join(SHM_DIR, f"mooncake-{cluster_tag([cluster.master])}-decode-*"))
+    assert sorted(os.path.basename(f).split("-", 2)[2] for f in shm) == [
+        "decode-decode-0-dram-0", "decode-decode-1-dram-0"], shm
+    assert {os.path.getsize(f) for f in shm} == {cluster.config.decode_segment_size}
     names = ("decode-0", "decode-1")
     before = {n: _decode_tokens(cluster, n) for n in names}
     i = N_STREAMS  # a prompt no earlier test ran while decoding
