@@ -371,6 +371,10 @@ class StorageNode:
                 journal = self._journals.get(cmd.segment)
                 if journal is not None:
                     journal.freed(cmd.offset)
+                    if journal.should_compact(len(self.inventory)):  # (an upper bound: cheap)
+                        journal.rewrite([Record(k, it.offset, it.size, it.checksum)
+                                         for k, it in self.inventory.values()
+                                         if it.segment == cmd.segment])
         elif kind == pb.NodeCommand.COPY:
             ok, err = self._copy(cmd)
             self.metrics.copies.labels("ok" if ok else "failed").inc()

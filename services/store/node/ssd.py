@@ -75,6 +75,7 @@ class Journal:
         self.path = os.path.join(directory, f"mooncake-{segment}.journal")
         self.segment = segment
         self._fd = -1
+        self.lines = 0  # lines in the file now (compacted when mostly superseded)
 
     def recover(self, seg: Segment) -> tuple[list[Record], int]:
         """Replay the journal against the segment's bytes: (verified records, dropped count).
@@ -96,9 +97,20 @@ class Journal:
             if r not in kept:
                 log.warning("SSD object dropped: its bytes do not match its checksum",
                             extra={"key": r.key, "segment": self.segment, "offset": r.offset})
-        _write_atomic(self.path, b"".join(_line(r) for r in kept))
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0))
+        self.rewrite(kept)
         return kept, dropped
+
+    def rewrite(self, live: list[Record]) -> None:
+        """Replace the journal by one line per live record (atomically: a crash leaves the old
+        or the new file, both complete) and append to the new one."""
+        _write_atomic(self.path, b"".join(_line(r) for r in live))
+        self.close()
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0))
+        self.lines = len(live)
+
+    def should_compact(self, live: int) -> bool:
+        """Whether most lines are superseded (freed or overwritten objects)."""
+        return self.lines > 2 * live + 4096
 
     def committed(self, rec: Record) -> None:
         self._append(_line(rec))
@@ -109,6 +121,7 @@ class Journal:
     def _append(self, line: bytes) -> None:
         if self._fd >= 0:
             os.write(self._fd, line)
+            self.lines += 1
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -114,3 +114,23 @@ def test_journal_drops_a_torn_line(tmp_path: Path) -> None:
     kept, dropped = Journal(str(tmp_path), "t-ssd-0").recover(seg)
     assert adopted and dropped == 1 and [r.key for r in kept] == ["x"]
     seg.close()
+
+
+def test_journal_compacts_what_was_freed(tmp_path: Path) -> None:
+    seg, _ = Segment.adopt_file("c-ssd-0", str(tmp_path), 64 * KiB)
+    data = payload(100, 3)
+    seg.buf[0:100] = data
+    j = Journal(str(tmp_path), "c-ssd-0")
+    j.recover(seg)
+    keep = Record("keep", 0, 100, checksum(data))
+    j.committed(keep)
+    for i in range(5000):  # objects come and go
+        j.committed(Record(f"gone{i}", 4096, 10, 1))
+        j.freed(4096)
+    assert j.should_compact(1)
+    j.rewrite([keep])
+    assert j.lines == 1 and not j.should_compact(1)
+    j.close()
+    kept, dropped = Journal(str(tmp_path), "c-ssd-0").recover(seg)
+    assert kept == [keep] and dropped == 0
+    seg.close()
