@@ -24,8 +24,10 @@ import numpy as np
 from mooncake_k8s.common.errors import StoreError
 from mooncake_k8s.common.netutil import free_port
 from mooncake_k8s.common.procs import Proc
+from mooncake_k8s.store.client.masterlink import parse_masters
 from mooncake_k8s.store.cluster import LocalCluster
 from mooncake_k8s.store.node.server import NodeConfig, StorageNode
+from mooncake_k8s.transfer.segments import cluster_tag, reap_stale
 
 
 def metric_value(text: str, name: str, labels: str = "") -> float:
@@ -331,3 +333,4 @@ class HaStoreCluster(StoreCluster):
         self.master = None
         if self.redis is not None:
             self.redis.stop()
+        reap_stale(cluster_tag(parse_masters(self.master_address)))  # what killed nodes left
