@@ -59,9 +59,13 @@ class FastPathClient:
         self._local = threading.local()
         self._all: list[socket.socket] = []
         self._lock = threading.Lock()
+        self._closed = False
+        """Set by close(): a call still running in another thread (a lease handed back in the
+        background) then opens no new connection that nothing would ever close."""
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             for s in self._all:
                 with contextlib.suppress(OSError):
                     s.close()
@@ -83,8 +87,11 @@ class FastPathClient:
             sock.close()
             raise
         with self._lock:
-            self._all.append(sock)
-        return sock
+            if not self._closed:
+                self._all.append(sock)
+                return sock
+        sock.close()
+        raise OSError("the client was closed")
 
     def call(self, method: str, request: Any,
              timeout: float) -> tuple[Any, tuple[tuple[str, str], ...]]:

@@ -63,6 +63,24 @@ def test_fast_path_refuses_a_wrong_token() -> None:
             c.stats()
 
 
+def test_a_closed_client_opens_no_connection() -> None:
+    """A call racing close() (a lease handed back by a background thread) fails UNAVAILABLE
+    and leaves no socket behind that nothing would close."""
+    import grpc
+
+    with StoreCluster() as cluster:
+        cluster.start_master()
+        client = FastPathClient("127.0.0.1", fast_port(cluster), cluster.token)
+        client.call("Stats", pb.StatsRequest(), 5)
+        client.close()
+        client._local.sock = None  # another thread: it holds no connection of its own yet
+        with pytest.raises(FastPathError) as e:
+            client.call("Stats", pb.StatsRequest(), 5)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "closed" in e.value.details()
+        assert client._all == []
+
+
 def test_a_malformed_request_is_invalid_argument_and_the_connection_lives() -> None:
     with StoreCluster() as cluster:
         cluster.start_master()
