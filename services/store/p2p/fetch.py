@@ -15,14 +15,16 @@ from __future__ import annotations
 import os
 import random
 import threading
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mooncake_k8s.store.p2p.holders import Counters, Holders
 from mooncake_k8s.store.p2p.manifest import FileEntry, Manifest, chunk_digest
 
 PART = ".p2p-part"
+LOOKAHEAD = 4  # chunks a worker passes over (every holder busy) before it waits for one
 
 
 class PartFile:
@@ -102,23 +104,54 @@ def fetch_all(man: Manifest, root: Path, holders: Holders, key: Callable[[int], 
         if seed is not None:
             random.Random(seed).shuffle(todo)
 
-        def one(pf: PartFile, n: int) -> None:
+        def one(pf: PartFile, n: int, wait: bool) -> bool:
             index = pf.entry.first + n
             chunk = man.chunks[index]
             buf = memoryview(bytearray(chunk.size))
-            holders.fetch(key(index), index, chunk, buf)
+            if not holders.fetch(key(index), index, chunk, buf, wait=wait):
+                return False
             pf.write(n, n * man.chunk_size, buf)
             if on_chunk is not None:
                 on_chunk(index)
+            return True
 
-        with ThreadPoolExecutor(parallel, thread_name_prefix="p2p-get") as pool:
-            futs = [pool.submit(one, pf, n) for pf, n in todo]
-            done, _ = wait(futs, return_when=FIRST_EXCEPTION)
-            for fut in futs:
-                fut.cancel()
-            wait(futs)  # none still writes once the files are closed
-        for fut in done:
-            fut.result()  # the first failure, if any
+        _run_queue(deque(todo), one, parallel)
     finally:
         for pf in files:
             pf.close()
+
+
+def _run_queue(todo: deque[tuple[PartFile, int]],
+               one: Callable[[PartFile, int, bool], bool], parallel: int) -> None:
+    """`parallel` workers take chunks off `todo`. A chunk whose every holder is busy with
+    this fetcher's reads goes to the back and the worker tries another (one a peer may hold
+    by now); after LOOKAHEAD such skips in a row it waits for a holder instead. The first
+    failure stops every worker (each finishes its current chunk) and is raised."""
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        skipped = 0
+        while True:
+            with lock:
+                if errors or not todo:
+                    return
+                pf, n = todo.popleft()
+                wait = skipped >= min(LOOKAHEAD, len(todo))
+            try:
+                if one(pf, n, wait):
+                    skipped = 0
+                    continue
+            except BaseException as e:
+                with lock:
+                    errors.append(e)
+                return
+            with lock:
+                todo.append((pf, n))
+            skipped += 1
+
+    with ThreadPoolExecutor(parallel, thread_name_prefix="p2p-get") as pool:
+        for fut in [pool.submit(worker) for _ in range(parallel)]:
+            fut.result()
+    if errors:
+        raise errors[0]

@@ -28,6 +28,12 @@ from mooncake_k8s.transfer import ReadOp
 
 log = logging.getLogger(__name__)
 
+# Reads one fetcher has in flight from any one other host. Without a cap, a fetcher with
+# `parallel` threads asks the only holder at the start (the source) for `parallel` chunks at
+# once, every fetcher does the same, and by the time any of them holds a chunk to serve the
+# source has sent nearly everything to everyone: peers served nothing.
+PER_HOLDER = 1
+
 
 @dataclass
 class Counters:
@@ -57,12 +63,17 @@ class Holders:
     add a replica of each fetched chunk to ("" keeps nothing), so the fetcher serves what it
     fetched."""
 
-    def __init__(self, client: StoreClient, keep_on: str, counters: Counters) -> None:
+    def __init__(self, client: StoreClient, keep_on: str, counters: Counters,
+                 per_holder: int = PER_HOLDER) -> None:
         self.client = client
         self.keep_on = keep_on
         self.counters = counters
         self.host = client._host_id
         self.salt = zlib.crc32(self.host.encode())
+        self.per_holder = per_holder
+        self.busy: dict[str, int] = {}  # reads in flight by holder host
+        self.freed = threading.Condition()
+        self.gen = 0  # reads finished: a waiter that saw a busy holder checks it first
 
     def order(self, info: ObjectInfo, index: int) -> list[Location]:
         """This host's replicas first, then the others rotated by chunk index (and by a salt
@@ -78,25 +89,59 @@ class Holders:
         # holders that failed a read lately (the client's suspect_s) go last
         return list(self.client._health.order(mine + others))
 
-    def fetch(self, key: str, index: int, chunk: Chunk, buf: memoryview,
-              rounds: int = 3) -> None:
+    def fetch(self, key: str, index: int, chunk: Chunk, buf: memoryview, *,
+              wait: bool = True, rounds: int = 3) -> bool:
         """Fill `buf` with the chunk's verified bytes or raise StoreError; each round asks
-        the master for the current holders and tries each once."""
+        the master for the current holders and tries each once. A holder this fetcher has
+        `per_holder` reads in flight from is skipped; when one was and no other served the chunk,
+        returns False at once (`wait=False`: the caller fetches another chunk first) or waits for a
+        read to finish and asks the master again (new holders appear as peers keep chunks)."""
         why = "not published"
-        for _ in range(rounds):
+        tried = 0
+        while tried < rounds:
             info = self.client._lookup([key], use_cache=False)[0]
             if info is None:
                 break
             if info.size != chunk.size:
                 raise StoreError(f"p2p chunk {key!r} is {info.size} bytes, manifest says "
                                  f"{chunk.size}: republished under the same name?")
+            gen, skipped = -1, False
             for loc in self.order(info, index):
-                why = self._read(loc, chunk, buf)
+                if not self._reserve(loc):
+                    gen, skipped = self.gen, True  # reads finished by the time it was busy
+                    continue
+                try:
+                    why = self._read(loc, chunk, buf)
+                finally:
+                    self._release(loc)
                 if not why:
                     self.counters.read_from(loc.peer.host_id)
                     self._keep(key, info, loc, buf)
-                    return
+                    return True
+            if not skipped:  # a round: every holder asked once
+                tried += 1
+                continue
+            if not wait:
+                return False
+            with self.freed:  # every holder busy: wait for one of this fetcher's reads
+                if self.gen == gen:
+                    self.freed.wait(1.0)
         raise StoreError(f"p2p chunk {index} ({key!r}): no holder served it ({why})")
+
+    def _reserve(self, loc: Location) -> bool:
+        """Count a read from `loc`'s host unless this fetcher has `per_holder` in flight."""
+        host = loc.peer.host_id
+        with self.freed:
+            if host != self.host and self.busy.get(host, 0) >= self.per_holder:
+                return False
+            self.busy[host] = self.busy.get(host, 0) + 1
+            return True
+
+    def _release(self, loc: Location) -> None:
+        with self.freed:
+            self.busy[loc.peer.host_id] -= 1
+            self.gen += 1
+            self.freed.notify_all()
 
     def _read(self, loc: Location, chunk: Chunk, buf: memoryview) -> str:
         """Read one replica into `buf` and verify it; "" on success, else why not."""

@@ -23,7 +23,7 @@ from pathlib import Path
 from mooncake_k8s.common.errors import InvalidArgument
 
 VERSION = 1
-DEFAULT_CHUNK = 16 << 20
+DEFAULT_CHUNK = 4 << 20
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$")
 
 
