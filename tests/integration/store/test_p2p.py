@@ -270,3 +270,35 @@ def test_republishing_a_name_makes_the_old_chunks_evictable(tmp_path: Path) -> N
             same_tree(tmp_path / "other", tmp_path / "got-other")
         finally:
             node.stop()
+
+
+def test_a_busy_source_sends_a_fetcher_to_a_peer_that_kept_the_chunk(
+        bed: Bed, tmp_path: Path) -> None:
+    """Fetchers that start together must not all queue on the source: with its one read
+    from hA in flight, hC reads a chunk hB kept from hB, and defers one only hA holds (its
+    worker takes another chunk) until the read from hA finishes."""
+    from mooncake_k8s.store.p2p.api import keep_segment
+    from mooncake_k8s.store.p2p.holders import Counters, Holders
+
+    src = model_dir(tmp_path / "src")
+    with bed.client("hA") as a:
+        man = publish(src, "busy", client=a, chunk_size=CHUNK)
+
+    def buf(i: int) -> memoryview:
+        return memoryview(bytearray(man.chunks[i].size))
+
+    with bed.client("hB") as b:  # hB is mid-way: it holds chunks 0..3 only
+        hb = Holders(b, keep_segment(b, man), Counters())
+        for i in range(4):
+            assert hb.fetch(chunk_key(man, i), i, man.chunks[i], buf(i))
+    assert bed.holders(chunk_key(man, 1)) == ["hA", "hB"]
+    with bed.client("hC") as c:
+        hc = Holders(c, "", Counters(), per_holder=1)
+        hc.busy["hA"] = 1  # one read from the source in flight
+        assert not hc.fetch(chunk_key(man, 5), 5, man.chunks[5], buf(5), wait=False)
+        for i in range(4):
+            assert hc.fetch(chunk_key(man, i), i, man.chunks[i], buf(i), wait=False)
+        assert hc.counters.by_host == {"hB": 4}
+        hc.busy["hA"] = 0
+        assert hc.fetch(chunk_key(man, 5), 5, man.chunks[5], buf(5), wait=False)
+    assert hc.counters.by_host == {"hB": 4, "hA": 1}
