@@ -34,7 +34,7 @@ def _fail(e: Exception) -> None:
 @click.argument("name")
 @_master_opt
 @_token_opt
-@click.option("--chunk-size", default="16MiB", show_default=True, type=SIZE,
+@click.option("--chunk-size", default="4MiB", show_default=True, type=SIZE,
               help="Chunk size (a chunk never spans two files).")
 @click.option("--pin/--no-pin", default=True, show_default=True,
               help="Soft-pin the chunks (evicted only when nothing unpinned can make room); "
