@@ -251,6 +251,20 @@ def _tenant_kw(tenant: str) -> dict[str, str]:
     return {"tenant": tenant} if tenant else {}
 
 
+def read_back(c: Any, keys: list[str], size: int) -> tuple[int, int]:
+    """Every key read back: (how many were found, how many of those held wrong bytes)."""
+    found = wrong = 0
+    buf = bytearray(size)
+    for k in keys:
+        try:
+            n = c.get_into(k, buf)
+        except StoreError:
+            continue
+        found += 1
+        wrong += bytes(buf[:n]) != load_payload(k, size)
+    return found, wrong
+
+
 def role_tenant_b(ctx: Ctx) -> None:
     """Tenant B: puts its working set, then reads it (a pass every 0.2 s at most) during A's
     flood and once after it: the fractions of its gets that hit."""
@@ -270,15 +284,7 @@ def role_tenant_b(ctx: Ctx) -> None:
             got = c.exists(keys)
             hits, reads = hits + sum(got), reads + len(got)
             time.sleep(max(0.0, 0.2 - (time.monotonic() - t)))
-        after, wrong = 0, 0
-        buf = bytearray(s["size"])
-        for k in keys:
-            try:
-                n = c.get_into(k, buf)
-            except StoreError:
-                continue
-            after += 1
-            wrong += bytes(buf[:n]) != load_payload(k, s["size"])
+        after, wrong = read_back(c, keys, s["size"])
     ctx.done({"during_hit": hits / reads if reads else 1.0, "after_hit": after / len(keys),
               "wrong": wrong, "keys": len(keys)})
 
@@ -350,17 +356,8 @@ def role_check(ctx: Ctx) -> None:
             if listed == len(keys) or time.monotonic() - since > s["settle_s"]:
                 break
             time.sleep(0.05)
-        verified = wrong = 0
-        buf = bytearray(s["size"])
-        for k in keys:
-            try:
-                n = c.get_into(k, buf)
-            except StoreError:
-                continue
-            if bytes(buf[:n]) == load_payload(k, s["size"]):
-                verified += 1
-            else:
-                wrong += 1
+        found, wrong = read_back(c, keys, s["size"])
+        verified = found - wrong
     ctx.done({"listed": listed, "adopt_s": adopt_s if listed else None, "verified": verified,
               "wrong": wrong})
 
