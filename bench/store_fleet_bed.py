@@ -91,6 +91,7 @@ class Fleet:
     port: int = field(default_factory=lambda: random.randrange(20000, 30000, 10))
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     args: dict[str, list[str]] = field(default_factory=dict)
+    rate: str | None = RATE  # every host's link; None: unshaped
 
     @property
     def master(self) -> str:
@@ -101,7 +102,7 @@ class Fleet:
                 "MOONCAKE_LOG_FORMAT": "text", "PYTHONSAFEPATH": "1"}
 
     def host(self, name: str) -> Host:
-        return self.bed.hosts.get(name) or self.bed.host(name, rate=RATE)
+        return self.bed.hosts.get(name) or self.bed.host(name, rate=self.rate)
 
     def spawn(self, name: str, host: str, argv: list[str]) -> subprocess.Popen[bytes]:
         self.args[name] = argv
@@ -216,10 +217,13 @@ def _fetch_text(url: str) -> str:
 
 
 @contextlib.contextmanager
-def fleet(label: str, master_args: list[str] | None = None) -> Iterator[Fleet]:
+def fleet(label: str, master_args: list[str] | None = None,
+          rate: str | None = RATE) -> Iterator[Fleet]:
+    """A master on its own host, and hosts made on demand with links of `rate` (None:
+    unshaped, what the box's CPUs allow)."""
     work = Path(tempfile.mkdtemp(prefix=f"fleet-{label}-"))
     with Testbed() as bed:
-        f = Fleet(bed, work, list(master_args or []))
+        f = Fleet(bed, work, list(master_args or []), rate=rate)
         try:
             f.start_master()
             yield f

@@ -220,7 +220,7 @@ def role_p2p_publish(ctx: Ctx) -> None:
     t0 = time.monotonic()
     with ctx.client() as c:
         publish(s["dir"], s["p2p_name"], client=c)
-        ctx.done({"seconds": time.monotonic() - t0, "host_id": c._host_id})
+        ctx.done({"seconds": time.monotonic() - t0, "host_id": c.host_id})
     ctx.ready()
     ctx.serve_until_stop()
 
@@ -240,7 +240,8 @@ def role_p2p_get(ctx: Ctx) -> None:
         secs = time.monotonic() - t0
         k = got.counters
     ctx.done({"seconds": secs, "fetched": k.fetched, "kept": k.kept, "corrupt": k.corrupt,
-              "by_host": k.by_host, "host_id": c._host_id})
+              "by_host": k.by_host, "host_id": c.host_id, "keep_failures": c.keep_failures,
+              "last_keep_error": c.last_keep_error[:200]})
     ctx.serve_until_stop()
 
 
@@ -329,7 +330,7 @@ def role_fill(ctx: Ctx) -> None:
             last = used["ssd"]
             time.sleep(0.2)
         listed = sum(c.exists(keys))
-        infos = c._lookup(keys, use_cache=False)
+        infos = c.locate(keys)
         on_ssd = sum(1 for i in infos
                      if i and any(str(loc.segment.tier.value) == "ssd" for loc in i.replicas))
     ctx.done({"acked": acked, "listed": listed, "ssd_used": used["ssd"],

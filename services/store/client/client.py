@@ -474,6 +474,35 @@ class StoreClient:
         self._forget(key)
         return None
 
+    # -- replica-level access for callers that pick the replica themselves (the P2P store) --
+    @property
+    def host_id(self) -> str:
+        """The host this client reads and places for (nearness, local-first placement)."""
+        return self._host_id
+
+    def locate(self, keys: Sequence[str]) -> list[ObjectInfo | None]:
+        """The master's current replica lists for `keys` (never the location cache)."""
+        return self._lookup(keys, use_cache=False)
+
+    def suspect(self, loc: Location) -> bool:
+        """Whether `loc`'s peer failed a transfer lately (this client reads it last)."""
+        return self._health.suspect(loc.peer.address)
+
+    def read_replica(self, loc: Location, view: memoryview) -> None:
+        """Read the replica at `loc` into `view` (its size); raises TransferError and marks
+        the peer suspect when it fails. The caller verifies the bytes."""
+        try:
+            self.engine.read(loc.peer, [ReadOp(loc.segment, loc.offset, view)])
+        except TransferError:
+            self._failed(loc.peer)
+            raise
+        self._health.succeeded(loc.peer.address)
+
+    def keep_replica(self, segment: str, key: str, info: ObjectInfo, view: memoryview) -> bool:
+        """Add a replica of `key` (bytes in `view`) on `segment`; False when it was not kept
+        (counted in `keep_failures`)."""
+        return bool(self._keeper.keep(segment, [(key, info, view)]))
+
     def _lookup(self, keys: Sequence[str], use_cache: bool = True) -> list[ObjectInfo | None]:
         """Replica lists for `keys`, from the lease-bounded cache where possible."""
         result: list[ObjectInfo | None] = [None] * len(keys)

@@ -2,12 +2,13 @@
 
 Every missing chunk of every file goes into one bounded pool, so a directory of many small
 files fetches as many chunks at once as one large file does. Each file is written into
-`<file>.p2p-part` at its chunks' offsets (only verified bytes reach it: `Holders.fetch`
+`<file>.p2p-part` at its chunks' offsets (only verified bytes reach it: `Holders.read`
 verifies before returning) and renamed into place after fsync when its last chunk lands.
 
-The order chunks are fetched in is shuffled by a seed of the fetcher's (its host): fetchers
-that start together then ask for different chunks first, each keeps what it fetched, and they
-soon read from each other instead of all queueing on the source for the same chunk.
+Which chunk next and from whom is `holders.Holders.choose` (least-burdened holder, rarest chunk
+first); ties go by an order shuffled by a seed of the fetcher's (its host), so fetchers that
+start together ask the source for different chunks, keep what they fetched, and soon read from
+each other instead of all queueing on the source for the same chunk.
 """
 
 from __future__ import annotations
@@ -15,16 +16,14 @@ from __future__ import annotations
 import os
 import random
 import threading
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from mooncake_k8s.store.p2p.holders import Counters, Holders
+from mooncake_k8s.store.p2p.holders import Counters, Holders, Job
 from mooncake_k8s.store.p2p.manifest import FileEntry, Manifest, chunk_digest
 
 PART = ".p2p-part"
-LOOKAHEAD = 4  # chunks a worker passes over (every holder busy) before it waits for one
 
 
 class PartFile:
@@ -93,62 +92,67 @@ def verified(man: Manifest, f: FileEntry, path: Path) -> set[int]:
 def fetch_all(man: Manifest, root: Path, holders: Holders, key: Callable[[int], str], *,
               parallel: int, seed: int | None,
               on_chunk: Callable[[int], None] | None = None) -> None:
-    """Fetch every missing chunk of `man` into `root`, `parallel` at a time, in an order
-    shuffled by `seed` (None: manifest order); raises the first chunk's failure after every
-    running fetch has stopped (part files stay, a rerun resumes)."""
+    """Fetch every missing chunk of `man` into `root`, `parallel` at a time, choosing each
+    chunk and holder by `Holders.choose` (ties in an order shuffled by `seed`; None: manifest
+    order); raises the first chunk's failure after every running read has stopped (part
+    files stay, a rerun resumes)."""
     files: list[PartFile] = []
     try:
         for f in man.files:
             files.append(PartFile(man, f, root, holders.counters))
-        todo = [(pf, n) for pf in files for n in sorted(pf.missing)]
+        jobs = [Job(f.entry.first + n, key(f.entry.first + n), man.chunks[f.entry.first + n],
+                    (f, n)) for f in files for n in sorted(f.missing)]
         if seed is not None:
-            random.Random(seed).shuffle(todo)
+            random.Random(seed).shuffle(jobs)
 
-        def one(pf: PartFile, n: int, wait: bool) -> bool:
-            index = pf.entry.first + n
-            chunk = man.chunks[index]
-            buf = memoryview(bytearray(chunk.size))
-            if not holders.fetch(key(index), index, chunk, buf, wait=wait):
-                return False
+        def write(job: Job, buf: memoryview) -> None:
+            pf, n = job.owner
             pf.write(n, n * man.chunk_size, buf)
             if on_chunk is not None:
-                on_chunk(index)
-            return True
+                on_chunk(job.index)
 
-        _run_queue(deque(todo), one, parallel)
+        _run(jobs, holders, write, parallel)
     finally:
         for pf in files:
             pf.close()
 
 
-def _run_queue(todo: deque[tuple[PartFile, int]],
-               one: Callable[[PartFile, int, bool], bool], parallel: int) -> None:
-    """`parallel` workers take chunks off `todo`. A chunk whose every holder is busy with
-    this fetcher's reads goes to the back and the worker tries another (one a peer may hold
-    by now); after LOOKAHEAD such skips in a row it waits for a holder instead. The first
-    failure stops every worker (each finishes its current chunk) and is raised."""
+def _run(jobs: list[Job], holders: Holders, write: Callable[[Job, memoryview], None],
+         parallel: int) -> None:
+    """`parallel` workers each take the best (chunk, holder) `holders` offers, read it and
+    write it; a worker finding every holder busy waits for a read to finish (and fresher
+    replica lists). A failed read puts the chunk back with that holder refused for the round.
+    The first error stops every worker (each finishes its current read) and is raised."""
     lock = threading.Lock()
+    todo = list(jobs)
     errors: list[BaseException] = []
 
     def worker() -> None:
-        skipped = 0
         while True:
             with lock:
                 if errors or not todo:
                     return
-                pf, n = todo.popleft()
-                wait = skipped >= min(LOOKAHEAD, len(todo))
+                pending = list(todo)
             try:
-                if one(pf, n, wait):
-                    skipped = 0
+                holders.refresh(pending)
+                with lock:  # one choice at a time: two workers must not take the same chunk
+                    picked = holders.choose(todo)
+                    if picked is not None:
+                        todo.remove(picked[0])
+                if picked is None:
+                    holders.wait()
                     continue
+                job, loc = picked
+                buf = memoryview(bytearray(job.chunk.size))
+                if holders.read(job, loc, buf):
+                    write(job, buf)
+                    continue
+                with lock:
+                    todo.append(job)
             except BaseException as e:
                 with lock:
                     errors.append(e)
                 return
-            with lock:
-                todo.append((pf, n))
-            skipped += 1
 
     with ThreadPoolExecutor(parallel, thread_name_prefix="p2p-get") as pool:
         for fut in [pool.submit(worker) for _ in range(parallel)]:

@@ -2,7 +2,7 @@
 
 A published directory is a list of files (relative path, size, mode) each cut into chunks of at
 most `chunk_size` bytes; a chunk never spans two files, so a fetcher writes each chunk at its
-file's offset with no bookkeeping beyond the manifest. Every chunk carries its BLAKE2b-128 digest:
+file's offset with no bookkeeping beyond the manifest. Every chunk carries its BLAKE3-128 digest:
 a fetcher verifies every chunk against it before writing a byte, so a holder that serves altered
 or torn bytes costs a refetch elsewhere, never a wrong file. The manifest itself is versioned
 and carries the BLAKE2b digest of its canonical JSON (what names the chunks' keys), so a
@@ -20,16 +20,20 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import blake3
+
 from mooncake_k8s.common.errors import InvalidArgument
 
-VERSION = 1
+VERSION = 2  # 2: chunk digests are BLAKE3 (1 was BLAKE2b)
 DEFAULT_CHUNK = 4 << 20
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,199}$")
 
 
 def chunk_digest(data: bytes | memoryview | bytearray) -> str:
-    """The digest a chunk is verified against (BLAKE2b-128, hex)."""
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+    """The digest a chunk is verified against (BLAKE3, 128 bits, hex). BLAKE3 rather than
+    BLAKE2b: every fetcher hashes every byte it receives, and at about 6 GB/s against 0.6 GB/s
+    per core it takes the hashing from a third of a 2-core host's time to a few percent."""
+    return blake3.blake3(data).hexdigest(16)
 
 
 def check_name(name: str) -> str:

@@ -140,18 +140,19 @@ def test_a_chunk_altered_on_one_holder_is_refetched_elsewhere(
         man = publish(src, "m", client=a, chunk_size=CHUNK)
     with bed.client("hB") as b:
         get("m", tmp_path / "b", client=b)
-    # flip a byte of chunks 0 and 1 in hA's node memory (one of them is asked of hA first)
+    # flip a byte of every chunk in hA's node memory: with two reads at once and one per
+    # holder, hC asks hA for some, and every chunk must come verified from hB
     with bed.cluster.client(location_cache=False) as c:
-        for i in (0, 1):
+        for i in range(len(man.chunks)):
             info = c._lookup([chunk_key(man, i)], use_cache=False)[0]
             assert info is not None
             loc = next(r for r in info.replicas if r.peer.host_id == "hA")
-            bed.nodes["na"].segments[loc.segment.name].buf[loc.offset + 100] ^= 0xFF
+            bed.nodes["na"].segments[loc.segment.name].buf[loc.offset + info.size // 2] ^= 0xFF
     with bed.client("hC") as c:
         got = get("m", tmp_path / "c", client=c, parallel=2)
     same_tree(src, tmp_path / "c")
     assert got.counters.corrupt >= 1
-    assert got.counters.by_host["hB"] >= 2
+    assert got.counters.by_host == {"hB": len(man.chunks)}
 
 
 def test_a_chunk_no_holder_serves_right_fails_and_writes_nothing_wrong(
@@ -272,33 +273,45 @@ def test_republishing_a_name_makes_the_old_chunks_evictable(tmp_path: Path) -> N
             node.stop()
 
 
-def test_a_busy_source_sends_a_fetcher_to_a_peer_that_kept_the_chunk(
+def test_a_fetcher_asks_peers_first_and_the_source_for_what_no_peer_has(
         bed: Bed, tmp_path: Path) -> None:
-    """Fetchers that start together must not all queue on the source: with its one read
-    from hA in flight, hC reads a chunk hB kept from hB, and defers one only hA holds (its
-    worker takes another chunk) until the read from hA finishes."""
+    """Fetchers that start together must not all queue on the source: hC takes the chunks
+    hB kept from hB (it holds fewer of those hC needs than the source), asks the source
+    only for a chunk no peer holds (rarest first) and never twice at once."""
     from mooncake_k8s.store.p2p.api import keep_segment
-    from mooncake_k8s.store.p2p.holders import Counters, Holders
+    from mooncake_k8s.store.p2p.holders import Counters, Holders, Job
 
     src = model_dir(tmp_path / "src")
     with bed.client("hA") as a:
         man = publish(src, "busy", client=a, chunk_size=CHUNK)
+    jobs = [Job(i, chunk_key(man, i), man.chunks[i]) for i in range(len(man.chunks))]
 
-    def buf(i: int) -> memoryview:
-        return memoryview(bytearray(man.chunks[i].size))
+    def take(h: Holders, pending: list[Job]) -> tuple[Job, str]:
+        h.refresh(pending, force=True)
+        picked = h.choose(pending)
+        assert picked is not None
+        job, loc = picked
+        pending.remove(job)
+        assert h.read(job, loc, memoryview(bytearray(job.chunk.size)))
+        return job, loc.peer.host_id
 
     with bed.client("hB") as b:  # hB is mid-way: it holds chunks 0..3 only
         hb = Holders(b, keep_segment(b, man), Counters())
-        for i in range(4):
-            assert hb.fetch(chunk_key(man, i), i, man.chunks[i], buf(i))
+        for job in jobs[:4]:
+            assert take(hb, [job]) == (job, "hA")
     assert bed.holders(chunk_key(man, 1)) == ["hA", "hB"]
     with bed.client("hC") as c:
         hc = Holders(c, "", Counters(), per_holder=1)
-        hc.busy["hA"] = 1  # one read from the source in flight
-        assert not hc.fetch(chunk_key(man, 5), 5, man.chunks[5], buf(5), wait=False)
-        for i in range(4):
-            assert hc.fetch(chunk_key(man, i), i, man.chunks[i], buf(i), wait=False)
-        assert hc.counters.by_host == {"hB": 4}
-        hc.busy["hA"] = 0
-        assert hc.fetch(chunk_key(man, 5), 5, man.chunks[5], buf(5), wait=False)
+        pending = list(reversed(jobs))  # hA-only chunks first in hC's own order
+        firsts = [take(hc, pending) for _ in range(4)]
+        assert sorted(j.index for j, _ in firsts) == [0, 1, 2, 3]
+        assert {h for _, h in firsts} == {"hB"}
+        # with its one read from hB in flight, hC asks hA for a chunk only hA holds; with
+        # hA busy too, nothing is free: it waits rather than queue a second read on hA
+        hc.refresh(pending, force=True)
+        picked = hc.choose(pending)
+        assert picked is not None and picked[1].peer.host_id == "hA"
+        assert picked[0].index >= 4
+        assert hc.choose([j for j in pending if j is not picked[0]]) is None
+        assert hc.read(picked[0], picked[1], memoryview(bytearray(picked[0].chunk.size)))
     assert hc.counters.by_host == {"hB": 4, "hA": 1}
