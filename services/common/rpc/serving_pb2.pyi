@@ -154,17 +154,31 @@ class DecodeRequest(_message.Message):
     plan: KVPlan
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., tenant: _Optional[str] = ..., first_token: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., tail_key: _Optional[str] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., plan: _Optional[_Union[KVPlan, _Mapping]] = ...) -> None: ...
 
+class DecodeHandoff(_message.Message):
+    __slots__ = ("context_tokens", "tail_key", "stored_blocks", "reason")
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TAIL_KEY_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    context_tokens: int
+    tail_key: str
+    stored_blocks: int
+    reason: str
+    def __init__(self, context_tokens: _Optional[int] = ..., tail_key: _Optional[str] = ..., stored_blocks: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class DecodeChunk(_message.Message):
-    __slots__ = ("token_id", "text", "finished", "finish_reason")
+    __slots__ = ("token_id", "text", "finished", "finish_reason", "handoff")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     text: str
     finished: bool
     finish_reason: str
-    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    handoff: DecodeHandoff
+    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., handoff: _Optional[_Union[DecodeHandoff, _Mapping]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
     __slots__ = ()
