@@ -185,7 +185,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("instance_id", "role", "revision", "model", "model_fingerprint", "dtype", "block_tokens", "max_context", "ready", "draining", "queued_requests", "queued_tokens", "running", "kv_free_tokens", "kv_capacity_tokens", "local_segment", "engine", "kv_layout", "waiting", "bootstrap_addr", "tokenizer_fingerprint", "host_id", "pipeline_group", "pipeline_stage", "pipeline_group_size", "pipeline_whole")
+    __slots__ = ("instance_id", "role", "revision", "model", "model_fingerprint", "dtype", "block_tokens", "max_context", "ready", "draining", "queued_requests", "queued_tokens", "running", "kv_free_tokens", "kv_capacity_tokens", "local_segment", "engine", "kv_layout", "waiting", "bootstrap_addr", "tokenizer_fingerprint", "host_id", "pipeline_group", "pipeline_stage", "pipeline_group_size", "pipeline_whole", "accepted_streams")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +212,7 @@ class LoadReport(_message.Message):
     PIPELINE_STAGE_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_WHOLE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_STREAMS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: str
     revision: str
@@ -238,7 +239,8 @@ class LoadReport(_message.Message):
     pipeline_stage: int
     pipeline_group_size: int
     pipeline_whole: bool
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., revision: _Optional[str] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., running: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., local_segment: _Optional[str] = ..., engine: _Optional[str] = ..., kv_layout: _Optional[str] = ..., waiting: _Optional[int] = ..., bootstrap_addr: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., host_id: _Optional[str] = ..., pipeline_group: _Optional[str] = ..., pipeline_stage: _Optional[int] = ..., pipeline_group_size: _Optional[int] = ..., pipeline_whole: _Optional[bool] = ...) -> None: ...
+    accepted_streams: int
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., revision: _Optional[str] = ..., model: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., block_tokens: _Optional[int] = ..., max_context: _Optional[int] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., queued_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., running: _Optional[int] = ..., kv_free_tokens: _Optional[int] = ..., kv_capacity_tokens: _Optional[int] = ..., local_segment: _Optional[str] = ..., engine: _Optional[str] = ..., kv_layout: _Optional[str] = ..., waiting: _Optional[int] = ..., bootstrap_addr: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., host_id: _Optional[str] = ..., pipeline_group: _Optional[str] = ..., pipeline_stage: _Optional[int] = ..., pipeline_group_size: _Optional[int] = ..., pipeline_whole: _Optional[bool] = ..., accepted_streams: _Optional[int] = ...) -> None: ...
 
 class StageHello(_message.Message):
     __slots__ = ("group", "group_size", "stage", "model_fingerprint", "revision", "num_layers")

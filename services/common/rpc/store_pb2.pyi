@@ -521,10 +521,12 @@ class PinResponse(_message.Message):
     def __init__(self, ok: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("node_id",)
+    __slots__ = ("node_id", "snapshot")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
-    def __init__(self, node_id: _Optional[str] = ...) -> None: ...
+    snapshot: bool
+    def __init__(self, node_id: _Optional[str] = ..., snapshot: _Optional[bool] = ...) -> None: ...
 
 class BlockEvent(_message.Message):
     __slots__ = ("seq", "kind", "key", "node_id", "segment", "tier", "size", "unix_ms")
@@ -536,12 +538,14 @@ class BlockEvent(_message.Message):
         REMOVED: _ClassVar[BlockEvent.Kind]
         SPILLED: _ClassVar[BlockEvent.Kind]
         PROMOTED: _ClassVar[BlockEvent.Kind]
+        SNAPSHOT_END: _ClassVar[BlockEvent.Kind]
     KIND_UNSPECIFIED: BlockEvent.Kind
     STORED: BlockEvent.Kind
     EVICTED: BlockEvent.Kind
     REMOVED: BlockEvent.Kind
     SPILLED: BlockEvent.Kind
     PROMOTED: BlockEvent.Kind
+    SNAPSHOT_END: BlockEvent.Kind
     SEQ_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
