@@ -71,12 +71,16 @@ class DecodeService(DecodeWorker):
         self.m_plans = Counter("mooncake_decode_plans_total",
                                "Conductor plans: followed, or not trusted (keys recomputed)",
                                ["outcome"], registry=r)
+        self.accepted_streams = 0
+        """Decode streams admitted since start (`LoadReport.accepted_streams`)."""
+        self._accepted_lock = threading.Lock()
 
     def handlers(self) -> grpc.GenericRpcHandler:  # type: ignore[type-arg]
         return servicer_handler(pb_grpc.add_DecodeServicer_to_server, _Servicer(self))
 
     def report(self) -> pb.LoadReport:
         rep = self.load_report()
+        rep.accepted_streams = self.accepted_streams
         if self.engine is not None:
             load = self.engine.load()
             rep.running = load.running + load.waiting
@@ -106,6 +110,8 @@ class DecodeService(DecodeWorker):
 
     def decode(self, req: pb.DecodeRequest, ctx: grpc.ServicerContext) -> Iterator[pb.DecodeChunk]:
         engine = self.admit(ctx)
+        with self._accepted_lock:
+            self.accepted_streams += 1
         cancelled = threading.Event()
         ctx.add_callback(cancelled.set)
         t0 = time.monotonic()
