@@ -82,6 +82,12 @@ def role_env(ctx: Ctx, role: str) -> tuple[list[Obj], list[str]]:
         if spec["store"].get("tenantQuotas"):
             env.append(env_var("MOONCAKE_TENANT_QUOTAS",
                                tenant_quotas(spec["store"]["tenantQuotas"])))
+        fanout = spec["store"].get("fanout") or {}
+        if fanout.get("enabled"):
+            env += [env_var("MOONCAKE_FANOUT", "true"),
+                    env_var("MOONCAKE_FANOUT_THRESHOLD", fanout.get("threshold", 4)),
+                    env_var("MOONCAKE_FANOUT_WINDOW", fanout.get("windowSeconds", 10.0)),
+                    env_var("MOONCAKE_FANOUT_MAX_REPLICAS", fanout.get("maxReplicas", 4))]
         backend = spec["metadataBackend"]
         if backend["type"] == "redis":
             ref = backend["redisUrlSecret"]

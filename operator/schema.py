@@ -247,6 +247,7 @@ def _store() -> Schema:
                                    "invalidates the cache).", default=d.BLOCK_TOKENS, minimum=1,
                                    maximum=4096),
             "tenantQuotas": _tenant_quotas(),
+            "fanout": _fanout(),
         },
         default={},
         rules=(
@@ -280,6 +281,23 @@ def _tenant_quotas() -> Schema:
         "self.all(q, self.exists_one(r, r.tenant == q.tenant))",
         "store.tenantQuotas names a tenant more than once")]
     return quotas
+
+
+def _fanout() -> Schema:
+    return obj(
+        "Hot-object fan-out (the master's --fanout): an object read often from other hosts "
+        "gains replicas near its readers, and loses them first when it cools. Off by default, "
+        "as Mooncake ships it.",
+        {
+            "enabled": boolean("Turn fan-out on.", default=False),
+            "threshold": integer("Reads from other hosts within the window that make an object "
+                                 "hot.", default=4, minimum=1, maximum=1_000_000),
+            "windowSeconds": number("The read-counting window.", default=10.0, minimum=0.1,
+                                    maximum=3600.0),
+            "maxReplicas": integer("Most replicas fan-out gives one object (its first copies "
+                                   "included).", default=4, minimum=2, maximum=16),
+        },
+    )
 
 
 def _bounds(name: str, lo: int, hi: int) -> Schema:

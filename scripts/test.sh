@@ -13,4 +13,4 @@ bash scripts/setup.sh
 . .venv/bin/activate
 ruff check .
 bash scripts/typecheck.sh
-pytest -q "$@"
+pytest -q --durations=40 "$@"  # the slowest 40 printed: the 25-minute CI budget is tight
