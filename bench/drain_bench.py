@@ -46,7 +46,6 @@ import json
 import os
 import platform
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -54,7 +53,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -63,33 +62,13 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.append(str(Path(__file__).resolve().parents[1]))
 
-from bench.drain_streams import Stream, Workload, deltas, scrape, stream_prompt, total
-from bench.multihost_bench import BENCH_DIR, _met, prompt, render, stream_chat
+from bench.drain_streams import Workload, deltas, scrape, stream_prompt, total
+from bench.drain_table import FULL, QUICK, Plan, describe, fmt_s, summary, table
+from bench.multihost_bench import BENCH_DIR, prompt, render, stream_chat
 from mooncake_k8s.testbed import Testbed
 from mooncake_k8s.testbed.cluster import BedCluster, BedConfig
 
-BLOCK_TOKENS = 64
-NM = "not measured: "
 COMPUTED = ("mooncake_prefill_tokens_total", 'source="computed"')
-
-
-@dataclass(frozen=True)
-class Plan:
-    streams: int
-    tokens: int
-    grace_s: float
-    fault_s: float
-    """How long a decode stays frozen (SIGSTOP) or partitioned."""
-    prompt_words: int
-    restart_tokens: int
-    restart_prompts: int
-    client_timeout_s: float
-
-
-FULL = Plan(streams=20, tokens=200, grace_s=5.0, fault_s=20.0, prompt_words=120,
-            restart_tokens=2000, restart_prompts=3, client_timeout_s=120.0)
-QUICK = Plan(streams=6, tokens=100, grace_s=2.0, fault_s=6.0, prompt_words=80,
-             restart_tokens=800, restart_prompts=1, client_timeout_s=60.0)
 
 
 # -- what exists ------------------------------------------------------------------------------
@@ -97,7 +76,8 @@ QUICK = Plan(streams=6, tokens=100, grace_s=2.0, fault_s=6.0, prompt_words=80,
 
 def _help(cmd: str) -> str:
     out = subprocess.run([sys.executable, "-m", "mooncake_k8s.cli", cmd, "--help"],
-                         capture_output=True, text=True, timeout=120, check=False)
+                         capture_output=True, text=True, timeout=120, check=False,
+                         env={**os.environ, "PYTHONSAFEPATH": "1"})
     return out.stdout + out.stderr
 
 
@@ -139,6 +119,13 @@ class DrainCluster(BedCluster):
     @property
     def prefills(self) -> list[str]:
         return [n for n in self.workers if not n.startswith("decode")]
+
+    def host_of(self, instance: str) -> str:
+        """The bed host of an instance named by id, address or host:port."""
+        for n in self.workers:
+            if instance in (n, self.addr(n), self.hosts[n].addr):
+                return n
+        return instance
 
     def restart_conductor(self) -> None:
         self.kill("conductor")
@@ -243,8 +230,7 @@ class Fault:
         b.wait_routed()
 
 
-def disturbed(b: Bench, kind: str, prompts: list[str], pin: bool,
-              ref: list[list[str]] | None = None) -> dict[str, Any]:
+def disturbed(b: Bench, kind: str, prompts: list[str], pin: bool) -> dict[str, Any]:
     """Run the workload, lose a decode mid-stream with `kind`, and describe every stream."""
     c, plan = b.c, b.plan
     victim = c.decodes[0] if pin else ""
@@ -260,6 +246,8 @@ def disturbed(b: Bench, kind: str, prompts: list[str], pin: bool,
         for d in others:
             b.signal_group(d, signal.SIGCONT)
     b.wait_ready_count("decode", len(c.decodes))
+    for st in wl.streams:  # the header names the instance: its bed host's name here
+        st.decode = c.host_of(st.decode)
     victim = victim or wl.streams[0].decode
     mine = [s for s in wl.streams if s.decode == victim]
     wl.wait_tokens(max(1, plan.tokens // 10), mine)
@@ -273,70 +261,16 @@ def disturbed(b: Bench, kind: str, prompts: list[str], pin: bool,
     fault.settle()
     pivot = (fault.exited_at if fault.exited_at is not None
              else t_sig + (plan.grace_s if kind == "drain" else 0.0))
-    streams = [describe(s, victim, t_sig, pivot, plan.tokens, ref) for s in wl.streams]
+    streams = [describe(s, victim, t_sig, pivot, plan.tokens) for s in wl.streams]
     out = {"kind": kind, "victim": victim, "pinned": pin, "streams": streams,
            "exited_after_s": (fault.exited_at - t_sig) if fault.exited_at else None,
            "prefill_computed": b.computed(after) - b.computed(before),
            "metric_deltas": deltas(before, after), "load1": os.getloadavg()[0]}
     out.update(summary(out, plan.tokens))
     b.echo(f"  [{kind}] moved {out['moved']}, broken {out['broken']}, stall p50 "
-           f"{_fmt(out['stall_p50_s'])} max {_fmt(out['stall_max_s'])}, flow again max "
-           f"{_fmt(out['flow_max_s'])}, prefill computed {out['prefill_computed']:.0f}")
+           f"{fmt_s(out['stall_p50_s'])} max {fmt_s(out['stall_max_s'])}, flow again max "
+           f"{fmt_s(out['flow_max_s'])}, prefill computed {out['prefill_computed']:.0f}")
     return out
-
-
-def describe(st: Stream, victim: str, t_sig: float, pivot: float, tokens: int,
-             ref: list[list[str]] | None) -> dict[str, Any]:
-    stall = st.stall_after(t_sig)
-    on = st.decode == victim
-    d: dict[str, Any] = {
-        "index": st.index, "decode": st.decode, "prefill": st.prefill, "error": st.error,
-        "tokens": len(st.pieces), "complete": st.complete(tokens), "on_victim": on,
-        "moved": on and bool(st.arrivals) and st.arrivals[-1] > pivot,
-        "stall_s": stall[0] if stall else None, "flow_again_s": stall[1] if stall else None,
-        "extra_tokens": max(0, len(st.pieces) - tokens)}
-    if ref is not None:
-        d["text_equal"] = "".join(st.pieces) == "".join(ref[st.index])
-        d["tokens_equal"] = st.pieces == ref[st.index]
-        if not d["text_equal"]:
-            d["text"], d["reference"] = "".join(st.pieces), "".join(ref[st.index])
-    return d
-
-
-def summary(run: dict[str, Any], tokens: int) -> dict[str, Any]:
-    ss = run["streams"]
-    moved = [s for s in ss if s["moved"]]
-    stalls = [s["stall_s"] for s in moved if s["stall_s"] is not None]
-    flows = [s["flow_again_s"] for s in moved if s["flow_again_s"] is not None]
-    out = {"on_victim": sum(s["on_victim"] for s in ss), "moved": len(moved),
-           "broken": sum(not s["complete"] for s in ss),
-           "broken_on_victim": sum(not s["complete"] for s in ss if s["on_victim"]),
-           "extra_tokens": sum(s["extra_tokens"] for s in ss),
-           "stall_p50_s": statistics.median(stalls) if stalls else None,
-           "stall_max_s": max(stalls) if stalls else None,
-           "flow_p50_s": statistics.median(flows) if flows else None,
-           "flow_max_s": max(flows) if flows else None,
-           "recomputed_per_moved": run["prefill_computed"] / len(moved) if moved else None}
-    cond = run["metric_deltas"].get("conductor", {})
-    out["conductor_handoffs"] = {k: v for k, v in cond.items()
-                                 if k.startswith("mooncake_conductor_handoffs_total")}
-    out["conductor_resumes_ok"] = cond.get('mooncake_conductor_resumes_total{outcome="ok"}', 0)
-    if ss and "text_equal" in ss[0]:
-        out["text_equal"] = sum(s["text_equal"] for s in ss)
-        out["tokens_equal"] = sum(s["tokens_equal"] for s in ss)
-    return out
-
-
-def _count(series: dict[str, float]) -> str:
-    """A counter's total over its labels, with each label's share ("-" when none exists)."""
-    if not series:
-        return "-"
-    parts = ", ".join(f"{k[k.find('{'):]} {v:.0f}" for k, v in series.items())
-    return f"{sum(series.values()):.0f} ({parts})"
-
-
-def _fmt(v: float | None) -> str:
-    return f"{v:.2f}s" if v is not None else "-"
 
 
 # -- the parts --------------------------------------------------------------------------------
@@ -347,17 +281,42 @@ def drain_part(b: Bench, feats: dict[str, bool]) -> dict[str, Any]:
         return {"not_measured": "workers have no --drain-timeout flag yet (the handoff "
                                 "area's), so no drain with a 5 s grace to measure"}
     prompts = b.prompts("dr")
-    b.echo("  [drain] the undisturbed run")
-    ref = b.reference(prompts)
-    return disturbed(b, "drain", prompts, pin=True, ref=ref)
+    out = disturbed(b, "drain", prompts, pin=True)
+    # The undisturbed run comes after: run first, it would leave the prompts' blocks on the
+    # decode that `disturbed` freezes while routing, and a prefix read from a frozen host
+    # waits out the transfer timeout.
+    b.echo("  [drain] the undisturbed run of the same prompts")
+    try:
+        ref = b.reference(prompts)
+    except Exception as e:  # the drain's numbers stand; equality is then unknown
+        out["reference_error"] = f"{type(e).__name__}: {e}"
+        out["text_equal"] = out["tokens_equal"] = None
+        return _strip(out)
+    for st in out["streams"]:
+        st["text_equal"] = st["text"] == "".join(ref[st["index"]])
+        st["tokens_equal"] = st["pieces"] == ref[st["index"]]
+        if not st["text_equal"]:
+            st["reference"] = "".join(ref[st["index"]])
+    out["text_equal"] = sum(st["text_equal"] for st in out["streams"])
+    out["tokens_equal"] = sum(st["tokens_equal"] for st in out["streams"])
+    return _strip(out)
+
+
+def _strip(run: dict[str, Any]) -> dict[str, Any]:
+    """The JSON keeps a stream's text only where it differs from the undisturbed run's."""
+    for st in run["streams"]:
+        st.pop("pieces", None)
+        if st.get("text_equal", True):
+            st.pop("text", None)
+    return run
 
 
 def failover_part(b: Bench) -> dict[str, Any]:
-    return disturbed(b, "kill", b.prompts("fo"), pin=True)
+    return _strip(disturbed(b, "kill", b.prompts("fo"), pin=True))
 
 
 def hung_part(b: Bench, kind: str) -> dict[str, Any]:
-    return disturbed(b, kind, b.prompts(kind[:2]), pin=False)
+    return _strip(disturbed(b, kind, b.prompts(kind[:2]), pin=False))
 
 
 def restart_part(b: Bench) -> dict[str, Any]:
@@ -394,112 +353,6 @@ def attempt(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
     except Exception as e:
         traceback.print_exc()
         return {"error": f"{type(e).__name__}: {e}"}
-
-
-# -- the table ---------------------------------------------------------------------------------
-
-
-def _why(part: dict[str, Any] | None) -> str | None:
-    if part is None:
-        return "not run"
-    if "not_measured" in part:
-        return str(part["not_measured"])
-    if "error" in part:
-        return f"the run failed ({part['error'][:140]})"
-    return None
-
-
-def row_broken(res: dict[str, Any], p: Plan) -> list[str]:
-    name = (f"{p.streams} streams of {p.tokens} tokens on a decode told to stop "
-            f"(SIGTERM, {p.grace_s:g} s grace): broken streams")
-    d = res.get("drain")
-    why = _why(d)
-    if why or d is None:
-        return [name, "0", NM + (why or ""), "-"]
-    ok = d["broken"] == 0 and d["text_equal"] == p.streams and d["extra_tokens"] == 0
-    return [name, "0; text = undisturbed; no token twice",
-            f"{d['broken']} ({d['moved']} handed over, {d['on_victim'] - d['moved']} finished "
-            f"there; Conductor handoffs {_count(d['conductor_handoffs'])}, "
-            f"{d['conductor_resumes_ok']:.0f} failover resumes; text equal "
-            f"{d['text_equal']}/{p.streams}, tokens equal "
-            f"{d['tokens_equal']}/{p.streams}, tokens twice {d['extra_tokens']})", _met(ok)]
-
-
-def row_stall(res: dict[str, Any]) -> list[str]:
-    name = "their stall at the handoff p50 / max (failover: kill -9, same workload)"
-    target = "report; p50 <= failover's / 2"
-    d, f = res.get("drain"), res.get("failover")
-    fo = (f"failover {_fmt(f['stall_p50_s'])} / {_fmt(f['stall_max_s'])}"
-          if f and not _why(f) else f"failover {NM}{_why(f)}")
-    why = _why(d)
-    if why or d is None:
-        return [name, target, f"{NM}{why}; {fo}", "-"]
-    if not d["moved"]:
-        return [name, target, f"{NM}no stream was handed over; {fo}", "-"]
-    met = "-"
-    if f and not _why(f) and f["stall_p50_s"] is not None:
-        met = _met(d["stall_p50_s"] <= f["stall_p50_s"] / 2)
-    return [name, target, f"{_fmt(d['stall_p50_s'])} / {_fmt(d['stall_max_s'])}; {fo}", met]
-
-
-def row_recompute(res: dict[str, Any]) -> list[str]:
-    name = "tokens recomputed per handed-over stream (prefill hosts' computed tokens)"
-    target = f"<= {BLOCK_TOKENS} (one block)"
-    d, f = res.get("drain"), res.get("failover")
-    fo = (f"failover {f['recomputed_per_moved']:.0f}"
-          if f and not _why(f) and f["recomputed_per_moved"] is not None else "failover -")
-    why = _why(d)
-    if why or d is None:
-        return [name, target, f"{NM}{why}; {fo}", "-"]
-    if d["recomputed_per_moved"] is None:
-        return [name, target, f"{NM}no stream was handed over; {fo}", "-"]
-    x = d["recomputed_per_moved"]
-    return [name, target, f"{x:.0f}; {fo}", _met(x <= BLOCK_TOKENS)]
-
-
-def row_hung(res: dict[str, Any], kind: str, p: Plan) -> list[str]:
-    what = "frozen (SIGSTOP)" if kind == "sigstop" else "partitioned (link down)"
-    name = f"a decode {what} {p.fault_s:g} s mid-stream: time until its streams flow again"
-    d = res.get(kind)
-    why = _why(d)
-    if why or d is None:
-        return [name, "<= 5 s, 0 broken", NM + (why or ""), "-"]
-    if not d["moved"]:
-        return [name, "<= 5 s, 0 broken", f"{NM}no stream was on it unfinished", "-"]
-    ok = d["flow_max_s"] is not None and d["flow_max_s"] <= 5.0 and d["broken"] == 0
-    return [name, "<= 5 s, 0 broken",
-            f"max {_fmt(d['flow_max_s'])} (p50 {_fmt(d['flow_p50_s'])}) over {d['moved']} "
-            f"streams; {d['broken']} broken", _met(ok)]
-
-
-def row_restart(res: dict[str, Any]) -> list[str]:
-    name = "first repeat after a Conductor restart (kill -9): routed to the holder, cached"
-    d = res.get("restart")
-    why = _why(d)
-    if why or d is None:
-        return [name, "yes, >= 90%", NM + (why or ""), "-"]
-    f = d["first"]
-    ok = f["routed_to_holder"] and f["cached_share"] >= 0.9
-    return [name, "yes, >= 90%",
-            f"{'yes' if f['routed_to_holder'] else 'no'} ({f['prefill']}, holder "
-            f"{f['holder']}), cached {f['cached_tokens']}/{f['prompt_tokens']} = "
-            f"{f['cached_share']:.0%}", _met(ok)]
-
-
-def table(res: dict[str, Any], p: Plan) -> list[list[str]]:
-    rows = [["measure", "target", "value", "met"]]
-    sel = set(res["rows"])
-    if 1 in sel:
-        rows.append(row_broken(res, p))
-    if 2 in sel:
-        rows.append(row_stall(res))
-    if 3 in sel:
-        rows.append(row_recompute(res))
-    if 4 in sel:
-        rows += [row_hung(res, "sigstop", p), row_hung(res, "partition", p)]
-    if 5 in sel:
-        rows.append(row_restart(res))
-    return rows
 
 
 # -- main ---------------------------------------------------------------------------------------
