@@ -407,6 +407,12 @@ _edge_opts = [
               type=click.FloatRange(min=0),
               help="Seconds in-flight requests and streams may take to finish after SIGTERM "
                    "(readiness turns 503 and the listener closes at once).")
+@click.option("--index-warmup-timeout", envvar="MOONCAKE_INDEX_WARMUP_TIMEOUT",
+              default=d.CONDUCTOR_INDEX_WARMUP_S, show_default=True, show_envvar=True,
+              type=click.FloatRange(min=0),
+              help="Seconds /readyz waits for the store's snapshot to fill the KV index; "
+                   "after that (store unreachable) it reports ready and routes cache-blind "
+                   "until the snapshot arrives.")
 @_apply(_model_opts)
 @_apply(_sched_opts)
 @_apply(_edge_opts)
@@ -440,6 +446,7 @@ def conductor(**o: Any) -> None:
         metrics_port=None if o["metrics_port"] < 0 else o["metrics_port"],
         metrics_host=o["metrics_host"], metrics_on_api_port=o["metrics_on_api_port"],
         shutdown_timeout_s=o["shutdown_timeout"], tenant_fair_share=o["tenant_fair_share"],
+        index_warmup_timeout_s=o["index_warmup_timeout"],
     ))
 
 

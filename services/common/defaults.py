@@ -54,6 +54,10 @@ JOURNAL_KEEP_S = 30.0
 """How long the HA commit journal keeps an entry."""
 CONDUCTOR_SHUTDOWN_TIMEOUT_S = 60.0
 """After SIGTERM the Conductor finishes in-flight requests and streams for at most this long."""
+CONDUCTOR_INDEX_WARMUP_S = 30.0
+"""How long a starting Conductor reports not-ready while it waits for the store's snapshot to
+fill its KV index; past it, it reports ready with what it has (cache-blind if the store is
+unreachable) and the snapshot replaces the index whenever it comes."""
 CONDUCTOR_GRACE_S = 120
 """A Conductor pod's terminationGracePeriodSeconds unless the spec says otherwise: the preStop
 pause, the drain above and a margin must fit in it."""

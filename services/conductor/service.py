@@ -18,11 +18,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from prometheus_client import Gauge
 
 from mooncake_k8s.common import defaults
 from mooncake_k8s.common.tokenizer_id import tokenizer_fingerprint
@@ -89,6 +91,9 @@ class ConductorConfig:
     """Also answer /metrics on the API port (how it was before the metrics port existed)."""
     shutdown_timeout_s: float = defaults.CONDUCTOR_SHUTDOWN_TIMEOUT_S
     """After SIGTERM, how long in-flight requests and streams may take to finish."""
+    index_warmup_timeout_s: float = defaults.CONDUCTOR_INDEX_WARMUP_S
+    """How long /readyz waits for the store's snapshot to fill the KV index (`indexfeed`);
+    past it the Conductor is ready with what it has (cache-blind if the store is down)."""
 
 
 class Conductor:
@@ -110,12 +115,15 @@ class Conductor:
             config.engine.model, config.engine.device)), self.index)
         self.router = MooncakeRouter(self.scheduler, self.store, self.metrics)
         self._feeder: IndexFeeder | None = None
+        self._index_gave_up = False
+        self._index_gauges()
         self.frontend = Frontend(
             Pipeline(self.prefills, self.decodes, self.router, metrics=self.metrics,
                      fair=FairShare(config.tenant_fair_share)
                      if config.tenant_fair_share > 0 else None),
             self.metrics, keys, config.served_model_name, config.use_prefix_cache,
             config.limits)
+        self.frontend.index_not_ready = self._index_not_ready
         self.deadlines = HeaderDeadlines(config.limits.header_timeout_s,
                                          self.metrics.header_timeouts.inc)
         self._runner: web.AppRunner | None = None
@@ -147,6 +155,33 @@ class Conductor:
             keepalive_timeout=self.config.limits.idle_timeout_s, auto_decompress=False)
         sockets = list(self._listener.sockets)
         self.port = sockets[0].getsockname()[1] if sockets else self.config.port
+
+    def _index_gauges(self) -> None:
+        """The KV index's size and whether it holds the store's snapshot, read at scrape time
+        (how an operator, or a test, sees that replicas know the same blocks)."""
+        r = self.metrics.registry
+        Gauge("mooncake_conductor_kv_index_blocks",
+              "Block keys the KV index knows (the store's snapshot plus its events since)",
+              registry=r).set_function(lambda: len(self.index))
+        Gauge("mooncake_conductor_kv_index_warm",
+              "1 once the KV index holds the store's snapshot (0: still loading, or no store)",
+              registry=r).set_function(
+                  lambda: float(self._feeder is not None and self._feeder.warm))
+
+    def _index_not_ready(self) -> str | None:
+        """Why /readyz waits for the KV index: until the store's first snapshot is applied,
+        for at most `index_warmup_timeout_s` (then once logged: ready, cache-blind)."""
+        feeder = self._feeder
+        if feeder is None or feeder.warm or self._index_gave_up:
+            return None
+        if time.monotonic() - feeder.started < self.config.index_warmup_timeout_s:
+            return "loading the KV index from the store's snapshot"
+        self._index_gave_up = True
+        log.warning("no snapshot from the store in time: ready with an empty KV index "
+                    "(routing is cache-blind until the store answers)",
+                    extra={"master": self.config.master,
+                           "waited_s": self.config.index_warmup_timeout_s})
+        return None
 
     async def _start_metrics(self) -> None:
         if self.config.metrics_port is None:

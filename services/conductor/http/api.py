@@ -22,6 +22,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -78,6 +79,8 @@ class Frontend:
         """Set on SIGTERM: /readyz says 503 while in-flight requests finish."""
         self.max_token_bytes: int | None = None
         """The most bytes of text one token covers (`max_token_bytes`), None = unknown."""
+        self.index_not_ready: Callable[[], str | None] = lambda: None
+        """Why the KV index is not ready yet (the store's snapshot is loading), or None."""
 
     # -- model facts come from the workers' load reports ------------------------------------
 
@@ -103,7 +106,7 @@ class Frontend:
         for pool in (self.pipeline.prefills, self.pipeline.decodes):
             if not pool.usable():
                 return self.tokenizer_mismatch(pool.role) or f"no {pool.role} instance is ready"
-        return None
+        return self.index_not_ready()
 
     def tokenizer_mismatch(self, role: str) -> str | None:
         """Why no instance of `role` is routed to, when the reason is their tokenizer."""

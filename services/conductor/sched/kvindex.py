@@ -23,10 +23,12 @@ long, and it takes 134 MB (4M slots of 32 bytes) where the dict and its key stri
 (231 MB at the peak of a doubling, which holds the old and the new rows).
 
 Events (`STORED`, `EVICTED`, `REMOVED`, `SPILLED`, `PROMOTED`) update the masks; a key whose
-mask reaches zero is dropped, so the scheduler never routes to a cache that has gone cold. When
-the event stream breaks (master restart, the subscriber fell behind and was cut off) the index
-is cleared: the blocks stored meanwhile are unknown, and an empty index costs cache hits, never
-correctness (prefill asks the store itself and recomputes what is missing).
+mask reaches zero is dropped, so the scheduler never routes to a cache that has gone cold. Each
+connection to the store starts with a snapshot of what it holds, which replaces the index
+(`clear`, then the snapshot's STORED events): a restarted Conductor, or one whose stream broke
+(master restart, cut off for falling behind), is warm again as soon as it reconnects. A stale
+or empty index costs cache hits, never correctness (prefill asks the store itself and
+recomputes what is missing).
 
 `serving.indexfeed.IndexFeeder` runs the store's `Watch` stream in a thread and hands events
 to the event loop, so the index is only ever touched from one thread; this module does no I/O.

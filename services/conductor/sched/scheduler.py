@@ -76,6 +76,9 @@ class Demand:
     block_tokens: int = 0
     """Tokens per block of `keys` (the prefill engine's, from its load report); 0: the
     scheduler's configured size."""
+    seed: int = 0
+    """A number from the request itself (the live router's `request_seed`): the random
+    policy draws from it and the configured seed, so replicas draw alike."""
 
 
 @dataclass(slots=True)
@@ -131,7 +134,12 @@ class Decision:
 
 class Scheduler:
     """One policy, its RNG and round-robin state, and the decode ledger. Not thread-safe:
-    the live Conductor calls it from its event loop only."""
+    the live Conductor calls it from its event loop only.
+
+    Deterministic for equal state: ties go to the first candidate (the live router lists
+    them in address order), and the random policy draws from the request's `Demand.seed`,
+    so Conductor replicas that see the same instances, reports and index choose alike.
+    Round robin is the exception: its rotation is each replica's own."""
 
     def __init__(self, config: SchedulerConfig, model: CostModel, index: KVIndex) -> None:
         self.config = config
@@ -140,8 +148,9 @@ class Scheduler:
         self.ledger = DecodeLedger()
         self.block_tokens = config.block_tokens
         """Of the decision under way: `Demand.block_tokens`, else the configured size."""
-        self._prefill_pick, self._decode_pick = picks(Policy(config.policy),
-                                                         random.Random(config.seed))
+        self._rng = random.Random(config.seed)
+        self._prefill_pick, self._decode_pick = picks(Policy(config.policy), self._rng)
+        self._reseed = Policy(config.policy) is Policy.RANDOM
         self._locality = Policy(config.policy) in (Policy.LOCAL_CACHE_AWARE,
                                                     Policy.GLOBAL_CACHE_AWARE)
         """Whether decode is picked with the prompt's KV in mind (`_near_decode`)."""
@@ -218,6 +227,9 @@ class Scheduler:
         if not prefills or not decodes:
             raise ValueError("decide needs at least one prefill and one decode instance")
         self.block_tokens = demand.block_tokens or self.config.block_tokens
+        if self._reseed and demand.seed:
+            # Equal state and request, equal choice (N replicas): the draws depend on both.
+            self._rng.seed(self.config.seed << 32 ^ demand.seed)
         prompt = demand.prompt_tokens
         pi, ttft, fetch, local, match = self._pick_prefill(demand, prefills, decodes)
         reuse = local + fetch

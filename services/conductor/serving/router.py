@@ -19,6 +19,8 @@ import asyncio
 import logging
 import math
 import time
+import zlib
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -31,10 +33,12 @@ from mooncake_k8s.conductor.sched.blocktable import BlockKeys
 from mooncake_k8s.conductor.sched.scheduler import (
     DecodeView,
     Demand,
+    Policy,
     PrefillView,
     Scheduler,
     paired,
 )
+from mooncake_k8s.conductor.serving.bookings import DecodeBookings
 from mooncake_k8s.conductor.serving.errors import NoCapacity
 from mooncake_k8s.conductor.serving.instances import Instance
 
@@ -84,6 +88,16 @@ class Router(Protocol):
     ) -> Route: ...
 
 
+def _address(inst: Instance) -> str:
+    return inst.address
+
+
+def request_seed(token_ids: Sequence[int]) -> int:
+    """A number from the prompt alone (not Python's per-process `hash`): what the random
+    policy draws from, so every Conductor replica draws the same for the same request."""
+    return zlib.crc32(array("q", token_ids).tobytes())
+
+
 def namespace_of(inst: Instance, tenant: str) -> KeyNamespace:
     """The key namespace an instance's engine uses; equal for instances of one model."""
     r = inst.report
@@ -129,6 +143,9 @@ class MooncakeRouter:
         self._refresh: asyncio.Future[None] | None = None
         self._hosts_failing = False
         """The last read failed (the next failures are logged at debug level only)."""
+        self.bookings = DecodeBookings()
+        self._seeded = self.scheduler.config.policy == Policy.RANDOM
+        """The random policy draws from the request (`request_seed`): replicas agree."""
 
     def _slot(self, inst: Instance) -> int:
         slot = self._slots.get(inst.address)
@@ -216,20 +233,26 @@ class MooncakeRouter:
                            r.revision if r else "", group)
 
     def _decode_view(self, inst: Instance) -> DecodeView:
+        """The report (everyone's streams as of the poll) plus this Conductor's bookings it
+        does not count yet (`bookings`: what bounds the over-commit between replicas)."""
         r = inst.report
         if r is None:
             return DecodeView(self._slot(inst), inst.inflight)
         done, done_tokens = inst.since_report()
-        used = max(0, r.kv_capacity_tokens - r.kv_free_tokens - done_tokens)
-        return DecodeView(self._slot(inst), max(r.running - done, inst.inflight), used,
-                          r.kv_capacity_tokens, r.revision,
+        seqs, toks = self.bookings.pending(inst.address, r)
+        used = max(0, r.kv_capacity_tokens - r.kv_free_tokens - done_tokens) + toks
+        return DecodeView(self._slot(inst), max(max(0, r.running - done) + seqs, inst.inflight),
+                          used, r.kv_capacity_tokens, r.revision,
                           self.local_mask(r.host_id, r.local_segment))
 
     async def route(self, req: RouteRequest, prefills: Sequence[Instance],
                     decodes: Sequence[Instance]) -> Route:
         # A prefill group's later stage, or a leader whose group is not whole, is never a
         # target, whoever passed it (the pools' `usable` leave them out already).
-        prefills = [p for p in prefills if not p.not_target]
+        # In address order: ties go to the first candidate, so replicas that see the same
+        # instances and reports choose the same, whatever order they discovered them in.
+        prefills = sorted((p for p in prefills if not p.not_target), key=_address)
+        decodes = sorted(decodes, key=_address)
         if not prefills:
             raise NoCapacity("no prefill instance is ready")
         if not decodes:
@@ -247,7 +270,8 @@ class MooncakeRouter:
         # the decision starts from integers.
         keys = BlockKeys(block_keys(ns, req.token_ids))
         demand = Demand(keys if req.use_prefix_cache else [], len(req.token_ids),
-                        max(1, req.max_tokens), req.priority, keyed.report.block_tokens)
+                        max(1, req.max_tokens), req.priority, keyed.report.block_tokens,
+                        seed=request_seed(req.token_ids) if self._seeded else 0)
         dec = self.scheduler.decide(demand, pviews, dviews, time.monotonic() * 1000.0,
                                     shed=req.shed)
         if self.metrics is not None and math.isfinite(dec.verdict.headroom_ms):
@@ -257,6 +281,8 @@ class MooncakeRouter:
                 self.metrics.rejections.labels(f"slo_{dec.verdict.reason}").inc()
             raise Overloaded(dec.verdict, demand.priority)
         prefill, decode = prefills[dec.prefill], decodes[dec.decode]
+        self.bookings.book(decode.address, len(req.token_ids) + demand.max_tokens,
+                           decode.report)
         plan = pb.KVPlan(block_keys=keys, namespace=ns.digest().hex(),
                          local_blocks=dec.local_blocks, fetch_blocks=dec.fetch_blocks,
                          write_segment=decode.report.local_segment if decode.report else "",

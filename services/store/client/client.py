@@ -590,11 +590,13 @@ class StoreClient:
         return [SegmentInfo(s.name, s.node_id, s.host_id, "ssd" if s.tier == pb.SSD else "dram",
                             s.size, s.used) for s in self.stats().segments]
 
-    def watch(self, node_id: str = "") -> Iterator[pb.BlockEvent]:
-        """Block events (stored, evicted, removed, spilled, promoted) as they happen."""
+    def watch(self, node_id: str = "", snapshot: bool = False) -> Iterator[pb.BlockEvent]:
+        """Block events (stored, evicted, removed, spilled, promoted) as they happen; with
+        `snapshot`, first one STORED per replica stored now and a SNAPSHOT_END."""
         addr, stub = self._link.stub()
         try:
-            yield from stub.Watch(pb.WatchRequest(node_id=node_id), metadata=self._md)
+            yield from stub.Watch(pb.WatchRequest(node_id=node_id, snapshot=snapshot),
+                                  metadata=self._md)
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.CANCELLED:
                 t = trailers_of(e)

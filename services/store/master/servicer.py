@@ -321,10 +321,28 @@ class MasterServicer:
         return pb.PinResponse(ok=self.state.pin(req.keys, req.pin))
 
     async def Watch(self, req: pb.WatchRequest, ctx: Any) -> AsyncIterator[pb.BlockEvent]:
-        sub = self.state.subscribe(req.node_id, self.config.event_queue)
+        """Block events as they happen; with `snapshot`, first what is stored now (one STORED
+        per replica, then SNAPSHOT_END), taken under the same lock as the subscription. A
+        snapshot is refused (UNAVAILABLE) while a restarted master is still rebuilding: it
+        would be partial, and the subscriber replaces what it knows with it."""
+        held: list[tuple[str, str, str, int, int]] = []
+        if req.snapshot:
+            self._authoritative()
+            held, seq, sub = self.state.subscribe_snapshot(req.node_id, self.config.event_queue)
+        else:
+            sub = self.state.subscribe(req.node_id, self.config.event_queue)
         ev = asyncio.Event()
         sub.waker = _waker(ev)
         try:
+            if req.snapshot:
+                stored = pb.BlockEvent.STORED
+                for i, (key, node, seg, tier, size) in enumerate(held):
+                    yield pb.BlockEvent(kind=stored, key=key, node_id=node, segment=seg,
+                                        tier=tier, size=size)  # type: ignore[arg-type]
+                    if i % 4096 == 4095 and self._stopping.is_set():
+                        return
+                yield pb.BlockEvent(seq=seq, kind=pb.BlockEvent.SNAPSHOT_END)
+                del held
             while not self._stopping.is_set():
                 ev.clear()
                 events = sub.get(0)

@@ -399,6 +399,30 @@ class MasterState:
         """Block events from now on (only `node_id`'s when given), in a bounded queue."""
         return self.catalog.hub.subscribe(node_id, max_queue)
 
+    def subscribe_snapshot(
+        self, node_id: str = "", max_queue: int | None = None,
+    ) -> tuple[list[tuple[str, str, str, int, int]], int, Subscription]:
+        """What is stored now, and the block events from then on, with nothing between them
+        missed or repeated: the replicas are listed and the subscription made under the state
+        lock, and every event is published under it too (`Catalog.op`). Returns
+        ((key, node id, segment, tier, size) per replica of each visible object, the sequence
+        number of the last event the list already reflects, the subscription). The list holds
+        plain tuples: the caller builds the messages outside the lock."""
+        segment_cls = Segment
+        with self._lock:
+            out: list[tuple[str, str, str, int, int]] = []
+            add = out.append
+            for key, obj in self._objects.items():
+                at = obj.at
+                segs = (at,) if isinstance(at, segment_cls) else [r.seg for r in at]
+                size = obj.size
+                for seg in segs:
+                    nid = seg.node.node_id
+                    if not node_id or nid == node_id:
+                        add((key, nid, seg.name, int(seg.tier), size))
+            sub = self.catalog.hub.subscribe(node_id, max_queue)
+            return out, self.catalog.seq, sub
+
     @property
     def event_seq(self) -> int:
         return self.catalog.seq

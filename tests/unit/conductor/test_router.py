@@ -24,6 +24,7 @@ from mooncake_k8s.conductor.sched.admission import (
 from mooncake_k8s.conductor.sched.costmodel import BUILTIN_CPU_PROFILE, load
 from mooncake_k8s.conductor.sched.kvindex import KVIndex
 from mooncake_k8s.conductor.sched.scheduler import Scheduler, SchedulerConfig
+from mooncake_k8s.conductor.serving.bookings import DecodeBookings
 from mooncake_k8s.conductor.serving.instances import Instance
 from mooncake_k8s.conductor.serving.router import (
     MooncakeRouter,
@@ -154,6 +155,7 @@ def _check_host_masks(store: StoreClient) -> None:
             HERE: ["n0-dram-0"], "host-far": ["far-dram-0"]}
         assert router.local_mask(HERE, "p-here-seg") == own | router.index.mask(["n0-dram-0"])
         router.scheduler.ledger = DecodeLedger()  # r1's load forgotten: equal loads again
+        router.bookings = DecodeBookings()
         route = await router.route(RouteRequest("r2", TOKENS, "t", 8), [there, here],
                                    [d_far, d_here])
         assert (route.prefill.instance_id, route.decode.instance_id) == ("p-here", "d-here")
@@ -164,6 +166,7 @@ def _check_host_masks(store: StoreClient) -> None:
         # keeps what it read (a repeat then stays on this host).
         router.index.clear()
         router.scheduler.ledger = DecodeLedger()
+        router.bookings = DecodeBookings()
         _hold(router, here, "far-dram-0")
         busy = _inst("prefill", "p-far", "v1", host_id="host-far", local_segment="p-far-seg",
                      queued_requests=4, queued_tokens=4000)
