@@ -33,8 +33,10 @@ workers' `--drain-timeout` flag). Rows 4 and 5 measure what exists either way (b
 streams stall for the whole freeze; a restarted Conductor is blind).
 
 Usage: python bench/drain_bench.py [--rows 1,2,3,4,5] [--quick] [--stall-timeout S]
-Full: about 8 min on a quiet 2-core box; --quick (6 streams of 100 tokens, 2 s grace, 6 s
-faults, one 800-token prompt): under 3 min. Needs root and network namespaces
+Order: drain (then the undisturbed run), SIGSTOP, partition, Conductor restart, and last the
+kill -9 (its decode is not started again). Full: about 6 min on a quiet 2-core box (an
+estimate; the loaded box's --quick took 7 min); --quick (4 streams of 80 tokens, 1 s grace,
+4 s faults, one 500-token prompt) is a dry run of every row. Needs root and network namespaces
 (docs/testbed.md). Writes bench/results/drain_bench.json and .txt (--quick: drain_bench-quick).
 """
 
@@ -135,8 +137,12 @@ class DrainCluster(BedCluster):
 
 class Bench:
     def __init__(self, c: DrainCluster, plan: Plan, echo: Callable[[str], None]) -> None:
-        self.c, self.plan, self.echo = c, plan, echo
+        self.c, self.plan, self._echo = c, plan, echo
         self.nonce = f"{int(time.time()) % 100000}"
+        self.t0 = time.monotonic()
+
+    def echo(self, msg: str) -> None:
+        self._echo(f"{time.monotonic() - self.t0:6.0f}s {msg}")
 
     def ready(self, role: str) -> float:
         return total(scrape(self.c, "conductor"), "mooncake_conductor_instances",
@@ -194,7 +200,7 @@ class Fault:
         c, p = self.b.c, self.b.c.procs[self.victim]
         if self.kind == "drain":
             self.b.signal_group(self.victim, signal.SIGTERM)
-            self._background(lambda: (p.wait(), self._exited()))
+            self._background(lambda: self._exit_of(p))
         elif self.kind == "kill":
             c.kill(self.victim)
             self._exited()
@@ -209,6 +215,10 @@ class Fault:
         else:
             raise ValueError(self.kind)
 
+    def _exit_of(self, p: subprocess.Popen[bytes]) -> None:
+        p.wait()
+        self._exited()
+
     def _exited(self) -> None:
         self.exited_at = time.monotonic()
 
@@ -220,17 +230,21 @@ class Fault:
         self._thread = threading.Thread(target=fn, daemon=True)
         self._thread.start()
 
-    def settle(self) -> None:
-        """Undo the fault: the decode healed (or a new one started) and back in rotation."""
+    def settle(self, restore: bool) -> None:
+        """Undo the fault: the decode healed (or, with `restore`, a new one started and in
+        rotation; the run's last part leaves a killed decode dead)."""
         b = self.b
         if self._thread is not None:
             self._thread.join(b.plan.grace_s + b.plan.fault_s + 60)
+        if not restore:
+            return
         if self.kind in ("drain", "kill"):
             b.c.respawn([self.victim])
         b.wait_routed()
 
 
-def disturbed(b: Bench, kind: str, prompts: list[str], pin: bool) -> dict[str, Any]:
+def disturbed(b: Bench, kind: str, prompts: list[str], pin: bool,
+              restore: bool = True) -> dict[str, Any]:
     """Run the workload, lose a decode mid-stream with `kind`, and describe every stream."""
     c, plan = b.c, b.plan
     victim = c.decodes[0] if pin else ""
@@ -258,11 +272,11 @@ def disturbed(b: Bench, kind: str, prompts: list[str], pin: bool) -> dict[str, A
     b.echo(f"  [{kind}] {victim} hit with {len(mine)} of {len(wl.streams)} streams on it")
     wl.join()
     after = b.snapshot(skip=victim)  # gone, frozen or cut off: nothing counted there
-    fault.settle()
+    fault.settle(restore)
     pivot = (fault.exited_at if fault.exited_at is not None
              else t_sig + (plan.grace_s if kind == "drain" else 0.0))
     streams = [describe(s, victim, t_sig, pivot, plan.tokens) for s in wl.streams]
-    out = {"kind": kind, "victim": victim, "pinned": pin, "streams": streams,
+    out: dict[str, Any] = {"kind": kind, "victim": victim, "pinned": pin, "streams": streams,
            "exited_after_s": (fault.exited_at - t_sig) if fault.exited_at else None,
            "prefill_computed": b.computed(after) - b.computed(before),
            "metric_deltas": deltas(before, after), "load1": os.getloadavg()[0]}
@@ -312,7 +326,8 @@ def _strip(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def failover_part(b: Bench) -> dict[str, Any]:
-    return _strip(disturbed(b, "kill", b.prompts("fo"), pin=True))
+    """Last in the run: the killed decode stays dead (a respawn would cost a model load)."""
+    return _strip(disturbed(b, "kill", b.prompts("fo"), pin=True, restore=False))
 
 
 def hung_part(b: Bench, kind: str) -> dict[str, Any]:
@@ -368,21 +383,28 @@ def run(args: argparse.Namespace, plan: Plan, feats: dict[str, bool],
                     log_dir=tempfile.mkdtemp(prefix="drain-bench-"))
     echo(f"starting the cluster (logs: {cfg.log_dir})")
     res: dict[str, Any] = {"logs": cfg.log_dir}
-    rows = set(args.rows)
-    with Testbed() as bed, DrainCluster(bed, cfg, worker_extra, conductor_extra,
-                                        echo=lambda _m: None) as c:
-        b = Bench(c, plan, echo)
-        b.wait_routed()
-        if rows & {1, 2, 3}:
-            res["drain"] = attempt(drain_part, b, feats)
-        if rows & {2, 3}:
-            echo("  [kill] the failover path")
-            res["failover"] = attempt(failover_part, b)
-        if 4 in rows:
-            for kind in ("sigstop", "partition"):
-                res[kind] = attempt(hung_part, b, kind)
-        if 5 in rows:
-            res["restart"] = attempt(restart_part, b)
+    with Testbed() as bed:
+        c = DrainCluster(bed, cfg, worker_extra, conductor_extra, echo=lambda _m: None)
+        with c:
+            res.update(measure(Bench(c, plan, echo), set(args.rows), feats))
+    return res
+
+
+def measure(b: Bench, rows: set[int], feats: dict[str, bool]) -> dict[str, Any]:
+    """The parts the rows need, each leaving the cluster whole for the next (the failover
+    part, which kills a decode, comes last)."""
+    res: dict[str, Any] = {}
+    b.wait_routed()
+    if rows & {1, 2, 3}:
+        res["drain"] = attempt(drain_part, b, feats)
+    if 4 in rows:
+        for kind in ("sigstop", "partition"):
+            res[kind] = attempt(hung_part, b, kind)
+    if 5 in rows:
+        res["restart"] = attempt(restart_part, b)
+    if rows & {2, 3}:
+        b.echo("  [kill] the failover path")
+        res["failover"] = attempt(failover_part, b)
     return res
 
 

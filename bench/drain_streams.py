@@ -52,14 +52,16 @@ class Stream:
         return (self.finished and not self.error and len(self.pieces) == tokens
                 and self.usage.get("completion_tokens") == tokens)
 
-    def stall_after(self, t: float) -> tuple[float, float] | None:
-        """(largest gap between two consecutive tokens where the later came after `t`, the
-        later one's arrival - t): the stall a fault at `t` caused, and when the stream flowed
-        again. None if no token came after `t`."""
+    def stall_after(self, t: float, until: float) -> tuple[float, float] | None:
+        """(largest gap between two consecutive tokens where the later came after `t` and the
+        earlier by `until`, the later one's arrival - t): the stall a fault at `t` caused, and
+        when the stream flowed again. `until` is when the faulty decode's last token can have
+        left (its exit; the fault itself for a freeze): a gap that opens later is the new
+        decode's, not the fault's. None if no token came after `t`."""
         best: tuple[float, float] | None = None
         prev = t
         for a in self.arrivals:
-            if a > t and (best is None or a - prev > best[0]):
+            if a > t and prev <= until and (best is None or a - prev > best[0]):
                 best = (a - prev, a - t)
             prev = a
         return best
@@ -182,12 +184,14 @@ INTERESTING = re.compile(r"handoff|recomput|resume|stall|reroute|drain")
 
 def deltas(before: dict[str, dict[str, float]],
            after: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
-    """Per component, the change of every INTERESTING series (histogram buckets left out)."""
+    """Per component, the change of every INTERESTING series (histogram buckets and the
+    counters' creation times left out)."""
     out: dict[str, dict[str, float]] = {}
     for comp, now in after.items():
         was = before.get(comp, {})
         d = {k: v - was.get(k, 0.0) for k, v in now.items()
-             if INTERESTING.search(k) and "_bucket{" not in k and v != was.get(k, 0.0)}
+             if INTERESTING.search(k) and "_bucket{" not in k and "_created" not in k
+             and v != was.get(k, 0.0)}
         if d:
             out[comp] = d
     return out

@@ -34,13 +34,18 @@ class Plan:
 
 FULL = Plan(streams=20, tokens=200, grace_s=5.0, fault_s=20.0, prompt_words=120,
             restart_tokens=2000, restart_prompts=3, client_timeout_s=120.0)
-QUICK = Plan(streams=6, tokens=100, grace_s=2.0, fault_s=6.0, prompt_words=80,
-             restart_tokens=800, restart_prompts=1, client_timeout_s=60.0)
+QUICK = Plan(streams=4, tokens=80, grace_s=1.0, fault_s=4.0, prompt_words=60,
+             restart_tokens=500, restart_prompts=1, client_timeout_s=60.0)
+"""A dry run: the faults still outlast the Conductor's default stall deadline (2 s)."""
+
+
+IN_FLIGHT_S = 0.5
+"""A token the decode had sent when it froze or was cut off arrives within this."""
 
 
 def describe(st: Stream, victim: str, t_sig: float, pivot: float,
              tokens: int) -> dict[str, Any]:
-    stall = st.stall_after(t_sig)
+    stall = st.stall_after(t_sig, max(t_sig + IN_FLIGHT_S, pivot))
     on = st.decode == victim
     d: dict[str, Any] = {
         "index": st.index, "decode": st.decode, "prefill": st.prefill, "error": st.error,
