@@ -18,9 +18,10 @@ programs would refuse).
 from __future__ import annotations
 
 import copy
+import ipaddress
 from typing import Any
 
-from mooncake_k8s.operator import corev1, naming, pods_sizing
+from mooncake_k8s.operator import corev1, naming, pods_sizing, schema_gateway
 from mooncake_k8s.operator.schema import ROLES
 from mooncake_k8s.operator.schema_cel import (
     GROUP_ENGINE_WHY,
@@ -81,6 +82,29 @@ def spec_errors(spec: Obj) -> list[str]:
                       "over shared memory and TCP")
     errors += _size_errors(spec)
     errors += _group_errors(spec)
+    errors += gateway_errors(spec.get("gateway"))
+    return errors
+
+
+def gateway_errors(gateway: Any) -> list[str]:
+    """spec.gateway: the CRD's CEL rules again (an older CRD may lack them), and what no
+    pattern states readably: Gateway API refuses IP addresses as hostnames."""
+    if not isinstance(gateway, dict):
+        return []
+    errors: list[str] = []
+    refs = [r for r in gateway.get("parentRefs") or [] if isinstance(r, dict)]
+    if schema_gateway.parents_error(refs):
+        errors.append(f"spec.gateway.parentRefs: {schema_gateway.DUPLICATE_PARENT}")
+    hosts = [h for h in gateway.get("hostnames") or [] if isinstance(h, str)]
+    if len(set(hosts)) != len(hosts):
+        errors.append(f"spec.gateway.hostnames: {schema_gateway.DUPLICATE_HOSTNAME}")
+    for i, host in enumerate(hosts):
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            continue
+        errors.append(f"spec.gateway.hostnames[{i}]: {host!r} is an IP address; Gateway API "
+                      "hostnames are DNS names (leave hostnames unset to match any)")
     return errors
 
 

@@ -18,6 +18,9 @@ docs/autoscaling.md. The decision runs in three steps:
    covers the whole down window (an operator restart never triggers a scale-down).
 3. *Bound*: clamp to each role's min/max, then move the pair into the prefill:decode ratio
    bounds, raising the smaller side when it can (never dropping capacity to satisfy a ratio).
+4. *One drain at a time*: a role scaled down less than its pods' grace period ago (drain
+   timeout plus margin, `roles.<role>.drainTimeoutSeconds`) is not scaled down again, so the
+   pods that take over a stopping decode's streams are not stopping themselves.
 
 Multiple Conductor pods: queues and headroom describe shared instances, so the worst value
 (max queue, min headroom) is used; counters are summed. A Conductor that exports no decode load
@@ -32,7 +35,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mooncake_k8s.operator import admission, metrics
+from mooncake_k8s.operator import admission, metrics, schema_gateway
 
 TOLERANCE = 0.1
 ROLES = ("prefill", "decode")
@@ -56,6 +59,10 @@ class Policy:
     prefill_step: int = 1
     """Prefill pods per pipeline group: prefill moves in whole groups (its bounds are
     multiples of it, which the CRD enforces)."""
+    prefill_grace_s: float = 0.0
+    decode_grace_s: float = 0.0
+    """How long a stopped pod of the role may take to drain (its terminationGracePeriodSeconds):
+    a scale-down of the role waits until the previous one's pods have had this long."""
 
     @classmethod
     def from_spec(cls, spec: dict[str, Any]) -> Policy:
@@ -71,6 +78,10 @@ class Policy:
             down_window_s=float(a["scaleDownStabilizationSeconds"]),
             ttft_slo_ms=float(spec["slo"]["ttftMs"]),
             prefill_step=admission.group_size(spec),
+            prefill_grace_s=float(schema_gateway.grace_seconds(
+                schema_gateway.drain_seconds(spec, "prefill"))),
+            decode_grace_s=float(schema_gateway.grace_seconds(
+                schema_gateway.drain_seconds(spec, "decode"))),
         )
 
 
@@ -98,6 +109,8 @@ class ScalerState:
 
     last_sample: MetricsSample | None = None
     history: deque[Recommendation] = field(default_factory=deque)
+    last_down: dict[str, float] = field(default_factory=dict)
+    """When each role was last scaled down (sample time)."""
 
 
 @dataclass(frozen=True)
@@ -222,6 +235,31 @@ def _stabilize(cur: int, ups: list[int], downs: list[int], covered: bool) -> int
     return cur
 
 
+def _one_drain_at_a_time(pol: Policy, state: ScalerState, current: tuple[int, int],
+                         target: tuple[int, int], now: float
+                         ) -> tuple[tuple[int, int], list[str]]:
+    """Hold scale-downs while a role's previous one may still be draining (within its pods'
+    grace period): a stopping decode hands its streams to the ones that stay, which should not
+    be stopping too, and the load the next decision reads still counts the moved streams.
+
+    A held role holds every scale-down of this decision: the larger of the current and the
+    target count per role keeps the ratio bounds both satisfy. Records when each role was
+    scaled down."""
+    roles = (("prefill", pol.prefill_grace_s), ("decode", pol.decode_grace_s))
+    why = []
+    for i, (role, grace) in enumerate(roles):
+        since = now - state.last_down.get(role, float("-inf"))
+        if target[i] < current[i] and since < grace - _EPS:
+            why.append(f"{role} scale-down held: the last one is {since:.0f}s into its "
+                       f"{grace:.0f}s drain")
+    if why:
+        return (max(target[0], current[0]), max(target[1], current[1])), why
+    for i, (role, _) in enumerate(roles):
+        if target[i] < current[i]:
+            state.last_down[role] = now
+    return target, why
+
+
 def decide(pol: Policy, current: tuple[int, int], state: ScalerState,
            sample: MetricsSample, ready: tuple[int, int] | None = None) -> Decision:
     """Replica counts for (prefill, decode) from the desired `current` and the `ready` counts
@@ -239,6 +277,8 @@ def decide(pol: Policy, current: tuple[int, int], state: ScalerState,
     p = _stabilize(current[0], [r.prefill for r in ups], [r.prefill for r in downs], covered)
     d = _stabilize(current[1], [r.decode for r in ups], [r.decode for r in downs], covered)
     p, d = clamp(p, d, pol)
+    (p, d), held = _one_drain_at_a_time(pol, state, current, (p, d), sample.time)
+    why += held
     if (p, d) == current:
         reason = f"steady at {p}:{d} ({', '.join(why)})"
     else:

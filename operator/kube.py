@@ -36,6 +36,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("apps/v1", "Deployment"): "deployments",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproutes",
     ("mooncake.io/v1alpha1", "MooncakeCluster"): "mooncakeclusters",
     ("mooncake.io/v1alpha1", "MooncakeRoleScaler"): "mooncakerolescalers",
 }

@@ -22,7 +22,14 @@ import copy
 from typing import Any
 
 from mooncake_k8s.common import defaults
-from mooncake_k8s.operator import admission, naming, pods_env, pods_sizing, pods_volumes
+from mooncake_k8s.operator import (
+    admission,
+    naming,
+    pods_env,
+    pods_sizing,
+    pods_volumes,
+    schema_gateway,
+)
 from mooncake_k8s.operator.groups import LABEL_GROUP_SIZE
 from mooncake_k8s.operator.pods_context import Ctx, security
 
@@ -131,6 +138,9 @@ def pod_template(ctx: Ctx, role: str) -> Obj:
         # closes the listener, see conductor.service) waits this long, so no client is refused.
         container["lifecycle"] = {"preStop": {"exec": {"command": [
             "sleep", str(defaults.CONDUCTOR_PRESTOP_S)]}}}
+    if role in ("prefill", "decode"):
+        container["lifecycle"] = {"preStop": {"exec": {"command": worker_pre_stop(
+            schema_gateway.drain_seconds(spec, role))}}}
     labels = naming.labels(ctx.cluster, role)
     if role in ("prefill", "decode"):
         labels[naming.LABEL_SERVING_REVISION] = ctx.serving_revision
@@ -141,8 +151,7 @@ def pod_template(ctx: Ctx, role: str) -> Obj:
         "serviceAccountName": spec.get("serviceAccountName") or None,
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": rspec.get("terminationGracePeriodSeconds") or (
-            60 if role in ("prefill", "decode") else 30),
+        "terminationGracePeriodSeconds": _grace(spec, role),
         "securityContext": pod_security(spec),
         "initContainers": vols.init_containers or None,
         "containers": [container],
@@ -165,6 +174,24 @@ def pod_template(ctx: Ctx, role: str) -> Obj:
                 "spec": {k: v for k, v in pod.items() if v is not None}}
     merged: Obj = merge_override(template, rspec.get("podTemplate") or {})
     return merged
+
+
+def _grace(spec: Obj, role: str) -> int:
+    """The pod's terminationGracePeriodSeconds: a worker's drain plus a margin for stopping;
+    the Conductor's own field; 30 s (Kubernetes' default) for the store and master."""
+    if role in ("prefill", "decode"):
+        return schema_gateway.grace_seconds(schema_gateway.drain_seconds(spec, role))
+    return int(spec["roles"][role].get("terminationGracePeriodSeconds") or 30)
+
+
+def worker_pre_stop(drain_s: int) -> list[str]:
+    """A worker's preStop: start the drain (SIGTERM to the worker, PID 1 of its container:
+    it turns unready, refuses new work and hands over or finishes what runs) and return once
+    the worker has exited or the drain time has passed. The kubelet's own SIGTERM after the
+    hook then finds nothing left to stop, so the drain never waits on the hook's timing."""
+    return ["/bin/sh", "-c",
+            f"kill -TERM 1; i=0; while [ $i -lt {drain_s} ] && kill -0 1 2>/dev/null; "
+            "do sleep 1; i=$((i+1)); done"]
 
 
 def pod_security(spec: Obj) -> Obj:

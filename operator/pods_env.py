@@ -11,7 +11,7 @@ import shlex
 from typing import Any
 
 from mooncake_k8s.common import defaults as d
-from mooncake_k8s.operator import admission, naming, pods_sizing, pods_volumes
+from mooncake_k8s.operator import admission, naming, pods_sizing, pods_volumes, schema_gateway
 from mooncake_k8s.operator.groups import POD_INDEX_LABEL
 from mooncake_k8s.operator.pods_context import (
     CACHE_DIR,
@@ -150,7 +150,10 @@ def role_env(ctx: Ctx, role: str) -> tuple[list[Obj], list[str]]:
            env_var("MOONCAKE_SERVED_MODEL_NAME", served_model_name(spec)),
            env_var("MOONCAKE_BLOCK_TOKENS", spec["store"]["blockTokens"]),
            env_var("MOONCAKE_TRANSFER_PROTOCOL", spec["transferProtocol"]),
-           env_var("MOONCAKE_STORE_REPLICAS", spec["store"]["replicationFactor"])]
+           env_var("MOONCAKE_STORE_REPLICAS", spec["store"]["replicationFactor"]),
+           # The worker's --drain-timeout; its pod's grace period and preStop follow the same
+           # field (`pods`).
+           env_var("MOONCAKE_DRAIN_TIMEOUT", schema_gateway.drain_seconds(spec, role))]
     kind = spec["engine"]["kind"]
     if spec["engine"].get("args") and kind != "sglang":
         env.append(env_var("MOONCAKE_ENGINE_ARGS", shlex.join(spec["engine"]["args"])))

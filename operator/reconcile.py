@@ -203,11 +203,31 @@ async def apply(runtime: Runtime, cluster: Obj) -> tuple[render.Rendered, Replic
     runtime.memory(cluster).last_counts = dict(rendered.replicas)
     await ensure_token(client, cluster)
     for obj in rendered.objects:
-        await client.apply(obj)
+        if obj["kind"] != "HTTPRoute":
+            await client.apply(obj)
     for role, count in reps.seeds.items():
         await client.patch_merge(*SCALER, ns, naming.name(meta["name"], role),
                                  {"spec": {"replicas": count}}, subresource="scale")
+    for route in rendered.by_kind("HTTPRoute"):
+        await apply_route(client, route)
     return rendered, reps
+
+
+async def apply_route(client: KubeClient, route: Obj) -> bool:
+    """spec.gateway's HTTPRoute, applied last and never fatal: without the Gateway API CRDs
+    (404) or the RBAC for httproutes (403, an older chart) the cluster still serves through
+    its Service, the operator logs why, and the periodic re-apply tries again (so installing
+    the CRDs later is enough). Other API errors propagate as usual."""
+    try:
+        await client.apply(route)
+    except ApiError as e:
+        if e.status not in (403, 404):
+            raise
+        log.warning("spec.gateway: HTTPRoute %s/%s not applied (%s); install the Gateway API "
+                    "CRDs (gateway.networking.k8s.io/v1) and let the operator write "
+                    "httproutes", route["metadata"]["namespace"], route["metadata"]["name"], e)
+        return False
+    return True
 
 
 async def observe(runtime: Runtime, cluster: Obj, error: str | None = None) -> status.Observed:

@@ -30,6 +30,7 @@ from mooncake_k8s.operator.schema import GROUP, ROLES, VERSION
 Obj = dict[str, Any]
 API_VERSION = f"{GROUP}/{VERSION}"
 STATEFUL_ROLES = ("prefill", "decode", "store", "master")
+GATEWAY_GROUP = "gateway.networking.k8s.io"
 
 
 class SpecError(ValueError):
@@ -132,6 +133,8 @@ def render(cluster: Obj, replicas: Mapping[str, int] | None = None) -> Rendered:
     objects += [_pdb(meta, spec, r) for r in ROLES]
     objects += [_network_policy(meta, r) for r in ROLES]
     objects += [_scaler(meta, r, int(spec["roles"][r]["replicas"])) for r in ROLES]
+    if spec.get("gateway"):
+        objects.append(http_route(meta, spec))
     return Rendered(objects, revisions, serving, counts)
 
 
@@ -175,6 +178,30 @@ def _conductor_service(meta: _Meta, spec: Obj) -> Obj:
                  "ports": [{"name": "http", "port": svc["port"], "targetPort": "http",
                             "protocol": "TCP"}]},
     }
+
+
+def http_route(meta: _Meta, spec: Obj) -> Obj:
+    """spec.gateway as a Gateway API v1 HTTPRoute: every path of the listed Gateways' listeners
+    (and hostnames) to the Conductor Service's HTTP port. Streams stay open for minutes, so
+    docs/gateway.md says which gateway timeouts to raise; the route sets none (timeouts are an
+    extended feature not every implementation honours)."""
+    gw = spec["gateway"]
+    parents = []
+    for ref in gw["parentRefs"]:
+        parent: Obj = {"group": GATEWAY_GROUP, "kind": "Gateway", "name": ref["name"]}
+        parent.update({k: ref[k] for k in ("namespace", "sectionName", "port") if k in ref})
+        parents.append(parent)
+    route: Obj = {"parentRefs": parents}
+    if gw.get("hostnames"):
+        route["hostnames"] = list(gw["hostnames"])
+    route["rules"] = [{
+        "matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+        "backendRefs": [{"group": "", "kind": "Service",
+                         "name": naming.name(meta.name, "conductor"),
+                         "port": spec["roles"]["conductor"]["service"]["port"], "weight": 1}],
+    }]
+    return {"apiVersion": f"{GATEWAY_GROUP}/v1", "kind": "HTTPRoute",
+            "metadata": meta(naming.name(meta.name, "conductor"), "conductor"), "spec": route}
 
 
 def _stateful_set(meta: _Meta, spec: Obj, role: str, replicas: int, template: Obj) -> Obj:

@@ -44,6 +44,7 @@ from mooncake_k8s.operator.schema_dsl import (
     string,
     string_map,
 )
+from mooncake_k8s.operator.schema_gateway import drain_timeout, gateway_schema
 from mooncake_k8s.operator.schema_model import engine_schema, model_schema
 from mooncake_k8s.operator.schema_status import cluster_status_schema
 
@@ -169,6 +170,7 @@ def _roles() -> Schema:
                 "together, spread over nodes, and restart together (status.prefillGroups). "
                 "Embedded engine only; 1 (the default) is one instance per pod.",
                 default=1, minimum=1, maximum=64),
+            "drainTimeoutSeconds": drain_timeout("prefill"),
         }),
         "decode": _role("decode", 1, {
             "localSegmentSize": size(
@@ -178,6 +180,7 @@ def _roles() -> Schema:
                             "localSegmentSize plus transfer buffers (default: localSegmentSize "
                             "+ 1Gi). With engine.kind vllm the pod's /dev/shm also gets "
                             "vLLM's share (see engine.kind).", rules=(positive(SHM_WHY),)),
+            "drainTimeoutSeconds": drain_timeout("decode"),
         }),
         "store": _role("store", 1),
         "master": _role("master", 1),
@@ -445,6 +448,7 @@ def cluster_spec_schema() -> Schema:
                     "(tenant_share) while other tenants still get in. Unset: off.", minimum=1),
             }, default={}),
             "autoscaling": _autoscaling(),
+            "gateway": gateway_schema(),
             "metadataBackend": _metadata_backend(),
             "clusterTokenSecret": secret_key_ref(
                 "Secret holding the shared cluster token internal endpoints require. When "

@@ -58,6 +58,10 @@ for status). Nothing is ever replaced with PUT, so no rule grants `update`. */}}
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "patch"]
+# spec.gateway's route to the Conductor (Gateway API; unused where its CRDs are absent).
+- apiGroups: ["gateway.networking.k8s.io"]
+  resources: ["httproutes"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 # The generated cluster token: created once (an existing one answers 409, which is fine). The
 # operator never reads a Secret: pods get the token through secretKeyRef.
 - apiGroups: [""]

@@ -5,6 +5,7 @@ checked-in CRDs compared with the schema module, and static checks of the Docker
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 from typing import Any
@@ -117,8 +118,11 @@ def test_rbac_is_least_privilege_and_sufficient(repo: Path, examples: dict[str, 
     # Server-side apply of every rendered kind needs create and patch; status needs list.
     plural = {"ConfigMap": "configmaps", "Service": "services", "StatefulSet": "statefulsets",
               "Deployment": "deployments", "PodDisruptionBudget": "poddisruptionbudgets",
-              "NetworkPolicy": "networkpolicies", "MooncakeRoleScaler": "mooncakerolescalers"}
-    for o in render(validate_cluster(examples["gpu-rdma"])).objects:
+              "NetworkPolicy": "networkpolicies", "MooncakeRoleScaler": "mooncakerolescalers",
+              "HTTPRoute": "httproutes"}
+    cluster = copy.deepcopy(examples["gpu-rdma"])
+    cluster["spec"]["gateway"] = {"parentRefs": [{"name": "public"}]}  # spec.gateway's route
+    for o in render(validate_cluster(cluster)).objects:
         group = o["apiVersion"].rpartition("/")[0]
         for verb in ("create", "patch", "get", "list"):
             assert _allowed(rules, group, plural[o["kind"]], verb), (o["kind"], verb)

@@ -66,8 +66,14 @@ def _ssa_merge(current: Any, applied: Any, last: Any) -> Any:
 class ApplyingEmulator(kmock.KubernetesEmulator):
     _applied: dict[Any, Obj] = attrs.field(factory=dict, init=False)
     _ids: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
+    absent: set[Any] = attrs.field(factory=set, init=False)
+    """Resources this API server does not serve (their CRDs not installed): 404."""
 
     async def _handle(self, request: kmock.Request) -> aiohttp.web.StreamResponse:
+        if request.resource is not None and request.resource in self.absent:
+            raise kmock.KubernetesError(status=404, reason="NotFound",
+                                        message="the server could not find the requested "
+                                                "resource")
         ctype = {k.lower(): v for k, v in request.headers.items()}.get("content-type", "")
         if request.resource is not None and request.method == "PATCH" and ctype.startswith(
                 "application/apply-patch") and not request.subresource:
@@ -309,6 +315,29 @@ async def test_spec_change_patches_only_what_changed(k8s: ApplyingEmulator) -> N
         assert versions(k8s, "StatefulSet", "demo-master") == before["StatefulSet"]
         assert versions(k8s, "Deployment", "demo-conductor") == before["Deployment"]
         assert versions(k8s, "StatefulSet", "demo-prefill") == before["StatefulSet"] + 1
+
+
+@scenario
+async def test_gateway_route_waits_for_the_gateway_api(k8s: ApplyingEmulator) -> None:
+    """spec.gateway on an API server without the Gateway API (the route's apply answers 404):
+    every other child is applied and status reported. With the CRDs installed, the next apply
+    creates the route, owned by the cluster (garbage-collected with it)."""
+    route = "gateway.networking.k8s.io/v1/httproutes"
+    k8s.absent.add(kmock.resource(route))
+    async with operator(k8s):
+        cr = await create(k8s, {"gateway": {"parentRefs": [{"name": "public"}]}})
+        await eventually(lambda: obj(k8s, "MooncakeCluster", "demo")["status"]["roles"])
+        assert obj(k8s, "StatefulSet", "demo-decode")
+        assert obj(k8s, "MooncakeRoleScaler", "demo-decode")["spec"]["replicas"] == 1
+        assert (kmock.resource(route), NS, "demo-conductor") not in k8s.objects
+        k8s.absent.clear()  # the Gateway API CRDs are installed
+        await api(k8s, "PATCH", f"{CLUSTERS}/demo", {"spec": {"gateway": {
+            "hostnames": ["llm.example.com"]}}})
+        live = await eventually(lambda: k8s.objects[kmock.resource(route), NS,
+                                                     "demo-conductor"].raw)
+        assert live["spec"]["hostnames"] == ["llm.example.com"]
+        assert live["spec"]["rules"][0]["backendRefs"][0]["name"] == "demo-conductor"
+        assert live["metadata"]["ownerReferences"][0]["uid"] == cr["metadata"]["uid"]
 
 
 @scenario

@@ -805,6 +805,9 @@ def test_worker_pods_run_real_cli_commands(examples: dict[str, Obj], stem: str,
                 assert p["engine_kind"] == engine["kind"]
                 assert p["advertise_host"] == p["host"] == "10.1.2.3"
                 assert p["token"] == "secret-token"
+                # roles.<role>.drainTimeoutSeconds reaches the worker's --drain-timeout.
+                assert p["drain_timeout"] == examples[stem]["spec"].get("roles", {}).get(
+                    args[0], {}).get("drainTimeoutSeconds", 30)
                 if engine["kind"] == "sglang":
                     assert p["sidecar"] == SOCKET and p["pd_port"] == 7300
                     assert list(p["engine_argv"]) == engine.get("args", [])
