@@ -50,6 +50,7 @@ from mooncake_k8s.engine.api import (
 from mooncake_k8s.engine.registry import engine_kind
 from mooncake_k8s.store.client import StoreClient
 from mooncake_k8s.transfer.rdma import RdmaInfoCollector
+from mooncake_k8s.worker.gie_metrics import GieMetrics
 
 if TYPE_CHECKING:
     from mooncake_k8s.store.local import LocalSegment
@@ -144,6 +145,7 @@ class Worker(Generic[E]):
         self.registry.register(_KeepCounters(self.store))
         # mooncake_transfer_rdma_info: whether RDMA is unavailable, untested or in use here.
         self.registry.register(RdmaInfoCollector(lambda: str(self.store.engine.transport)))
+        self.registry.register(GieMetrics(lambda: getattr(self, "report", self.load_report)()))
 
     # -- lifecycle -------------------------------------------------------------------------
 
