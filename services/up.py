@@ -78,6 +78,10 @@ class UpConfig:
     sidecar_staging_size: int = 64 << 20
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
     """How `run_up` restarts a child that exits, and when it gives up (`supervise`)."""
+    drain_timeout_s: float | None = None
+    """Every worker's `--drain-timeout` (its grace after SIGTERM); None = the workers' own."""
+    stream_stall_timeout_s: float | None = None
+    """The Conductor's `--stream-stall-timeout` (0 = off); None = its own default."""
 
 
 #: vLLM flags `mooncake up --engine vllm` adds when none are given and no GPU is present:
@@ -209,6 +213,8 @@ class LocalCluster:
                 args = [role, "--host", h, "--port", str(port), "--master", self.master,
                         "--metrics-port", str(hport), "--instance-id", f"{role}-{i}",
                         *self._model_args(), *self._engine_args()]
+                if c.drain_timeout_s is not None:
+                    args += ["--drain-timeout", str(c.drain_timeout_s)]
                 if c.sidecar:
                     sock = self.log_dir / f"sidecar-{role}-{i}.sock"
                     self._spawn(f"sidecar-{role}-{i}", self.sidecar_args(sock), 0)
@@ -234,6 +240,8 @@ class LocalCluster:
             args += ["--api-keys-file", c.api_keys_file]
         if not c.use_prefix_cache:
             args.append("--no-prefix-cache")
+        if c.stream_stall_timeout_s is not None:
+            args += ["--stream-stall-timeout", str(c.stream_stall_timeout_s)]
         self._spawn("conductor", args, cport)
 
     def sidecar_args(self, sock: Path) -> list[str]:

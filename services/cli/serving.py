@@ -407,6 +407,13 @@ _edge_opts = [
               type=click.FloatRange(min=0),
               help="Seconds in-flight requests and streams may take to finish after SIGTERM "
                    "(readiness turns 503 and the listener closes at once).")
+@click.option("--stream-stall-timeout", envvar="MOONCAKE_STREAM_STALL_TIMEOUT",
+              default=d.STREAM_STALL_TIMEOUT_S, show_default=True, show_envvar=True,
+              type=click.FloatRange(min=0),
+              help="Per-token deadline of a decode stream after its first token: a stream "
+                   "silent this long (its decode frozen, partitioned or hung) is resumed on "
+                   "another instance, and that instance leaves rotation until it answers a "
+                   "poll; 0 = off.")
 @click.option("--index-warmup-timeout", envvar="MOONCAKE_INDEX_WARMUP_TIMEOUT",
               default=d.CONDUCTOR_INDEX_WARMUP_S, show_default=True, show_envvar=True,
               type=click.FloatRange(min=0),
@@ -446,6 +453,7 @@ def conductor(**o: Any) -> None:
         metrics_port=None if o["metrics_port"] < 0 else o["metrics_port"],
         metrics_host=o["metrics_host"], metrics_on_api_port=o["metrics_on_api_port"],
         shutdown_timeout_s=o["shutdown_timeout"], tenant_fair_share=o["tenant_fair_share"],
+        stream_stall_timeout_s=o["stream_stall_timeout"] or None,
         index_warmup_timeout_s=o["index_warmup_timeout"],
     ))
 
@@ -492,6 +500,12 @@ def conductor(**o: Any) -> None:
                    "(0: the first exit stops everything).")
 @click.option("--restart-window", default=120.0, show_default=True,
               type=click.FloatRange(min=1.0), help="Seconds (see --max-restarts).")
+@click.option("--drain-timeout", default=None, type=click.FloatRange(min=0),
+              help="Every worker's drain grace after SIGTERM (`--drain-timeout` of `mooncake "
+                   "prefill` / `decode`) [default: theirs].")
+@click.option("--stream-stall-timeout", default=None, type=click.FloatRange(min=0),
+              help="The Conductor's per-token deadline on decode streams (`mooncake "
+                   "conductor --stream-stall-timeout`) [default: its own].")
 @click.argument("engine_argv", nargs=-1, type=click.UNPROCESSED)
 @_apply(_model_opts)
 @_apply(_sched_opts)
@@ -526,7 +540,8 @@ def up(**o: Any) -> None:
         served_model_name=o["served_model_name"], block_tokens=o["block_tokens"],
         device=o["device"], threads=o["threads"], ready_timeout_s=o["ready_timeout"],
         engine=o["engine_kind"], engine_args=[*o["engine_args"], *o["engine_argv"]],
-        sidecar=o["with_sidecar"],
+        sidecar=o["with_sidecar"], drain_timeout_s=o["drain_timeout"],
+        stream_stall_timeout_s=o["stream_stall_timeout"],
         restart_policy=RestartPolicy(max_restarts=o["max_restarts"],
                                      window_s=o["restart_window"]),
         extra_env={env: str(o[key]) for key, env in (

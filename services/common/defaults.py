@@ -58,6 +58,13 @@ CONDUCTOR_INDEX_WARMUP_S = 30.0
 """How long a starting Conductor reports not-ready while it waits for the store's snapshot to
 fill its KV index; past it, it reports ready with what it has (cache-blind if the store is
 unreachable) and the snapshot replaces the index whenever it comes."""
+STREAM_STALL_TIMEOUT_S = 2.0
+"""The Conductor's per-token deadline on a decode stream after its first chunk: a stream that
+sends nothing for this long is resumed elsewhere (its instance frozen, partitioned or hung).
+Measured (bench/stream_gaps.py, 2 busy CPU cores, 6 streams per decode arriving while others
+run): healthy gaps p50 0.48 s, p99.9 and max 1.08 s, so 2 s is about twice the worst; plus a
+failover resume (p50 1.7 s, bench/results/failover.json) a frozen decode's streams flow again
+within about 4 s."""
 CONDUCTOR_GRACE_S = 120
 """A Conductor pod's terminationGracePeriodSeconds unless the spec says otherwise: the preStop
 pause, the drain above and a margin must fit in it."""

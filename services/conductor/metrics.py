@@ -24,7 +24,18 @@ Instances and failures (how a partition shows):
   `cause` is `unreachable` (abandoned: the instance stopped answering its polls while the call
   waited) or the gRPC status the call failed with (`unavailable`, `deadline_exceeded`, ...),
   prefixed `group_` when the instance was a prefill group's leader (`group_unavailable`: a
-  stage died or was partitioned mid-prompt; the request went to another target).
+  stage died or was partitioned mid-prompt; the request went to another target), `stalled`
+  for a decode stream that sent nothing within `--stream-stall-timeout` mid-stream.
+- `mooncake_conductor_stream_stalls_total`: decode streams abandoned at the per-token deadline
+  (`--stream-stall-timeout`; a frozen or partitioned decode) and resumed by failover.
+
+Drain with KV handoff:
+
+- `mooncake_conductor_handoffs_total{outcome}`: streams a draining decode handed over: `ok`
+  (continued on another decode from the KV it stored, no prefill call), `fallback` (that
+  failed before a token; resumed by failover instead), `failed` (no instance to continue on).
+- `mooncake_conductor_handoff_stall_seconds`: what the client waited at a handoff, from its
+  last token before to its first token from the new decode.
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ if TYPE_CHECKING:
 
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+_STALL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _RESUME_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 INSTANCE_STATES = ("ready", "unready", "unreachable", "stage", "incomplete")
@@ -88,6 +100,21 @@ class ConductorMetrics:
         for role in ("prefill", "decode"):  # exported (at 0) before the first partition
             self.reroutes.labels(role, "unreachable")
         self.reroutes.labels("prefill", "group_unavailable")
+        self.reroutes.labels("decode", "stalled")
+        self.stream_stalls = Counter(
+            "mooncake_conductor_stream_stalls_total",
+            "Decode streams abandoned for sending nothing within the per-token deadline "
+            "(--stream-stall-timeout), then resumed by failover", registry=r)
+        self.handoffs = Counter(
+            "mooncake_conductor_handoffs_total",
+            "Streams a draining decode handed over: continued from its KV (ok), by failover "
+            "instead (fallback), or not at all (failed)", ["outcome"], registry=r)
+        for outcome in ("ok", "fallback", "failed"):
+            self.handoffs.labels(outcome)
+        self.handoff_stall = Histogram(
+            "mooncake_conductor_handoff_stall_seconds",
+            "A handed-over stream's gap: the client's last token before the handoff until its "
+            "first from the new decode instance", buckets=_STALL_BUCKETS, registry=r)
         self.resumes = Counter(
             "mooncake_conductor_resumes_total",
             "Streams resumed on another decode instance after theirs failed mid-stream",

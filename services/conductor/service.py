@@ -91,6 +91,9 @@ class ConductorConfig:
     """Also answer /metrics on the API port (how it was before the metrics port existed)."""
     shutdown_timeout_s: float = defaults.CONDUCTOR_SHUTDOWN_TIMEOUT_S
     """After SIGTERM, how long in-flight requests and streams may take to finish."""
+    stream_stall_timeout_s: float | None = defaults.STREAM_STALL_TIMEOUT_S
+    """A decode stream silent this long after its first chunk is resumed on another instance
+    (`Pipeline.stall_timeout_s`); None = no per-token deadline."""
     index_warmup_timeout_s: float = defaults.CONDUCTOR_INDEX_WARMUP_S
     """How long /readyz waits for the store's snapshot to fill the KV index (`indexfeed`);
     past it the Conductor is ready with what it has (cache-blind if the store is down)."""
@@ -120,7 +123,8 @@ class Conductor:
         self.frontend = Frontend(
             Pipeline(self.prefills, self.decodes, self.router, metrics=self.metrics,
                      fair=FairShare(config.tenant_fair_share)
-                     if config.tenant_fair_share > 0 else None),
+                     if config.tenant_fair_share > 0 else None,
+                     stall_timeout_s=config.stream_stall_timeout_s),
             self.metrics, keys, config.served_model_name, config.use_prefix_cache,
             config.limits)
         self.frontend.index_not_ready = self._index_not_ready

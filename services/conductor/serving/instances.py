@@ -31,7 +31,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -60,6 +60,11 @@ _CHANNEL_OPTIONS = [
 
 class Unreachable(Exception):
     """A call was abandoned because its instance stopped answering polls (`Instance.lost`)."""
+
+
+class Stalled(Unreachable):
+    """A decode stream sent nothing within the per-token deadline (`next_within`): the
+    instance is frozen, partitioned or hung, whatever its polls say yet."""
 
 
 def new_channel(address: str) -> grpc.aio.Channel:
@@ -228,6 +233,21 @@ async def until_answered(inst: Instance, call: Awaitable[T]) -> T:
         lost.cancel()
         if not work.done():
             work.cancel()
+
+
+async def next_within(inst: Instance, items: AsyncIterator[T], timeout_s: float | None) -> T:
+    """The stream's next item (`until_answered`), given up on (`Stalled`) when none comes
+    within `timeout_s` (None: no deadline). The poll-based `lost` takes about
+    `lost_after` x (poll timeout + interval), ~5 s, and only with another instance answering;
+    a stream that was flowing and stops says far sooner that its instance is gone."""
+    step = until_answered(inst, items.__anext__())
+    if timeout_s is None:
+        return await step
+    try:
+        return await asyncio.wait_for(step, timeout_s)
+    except TimeoutError:
+        raise Stalled(f"{inst.role} {inst.instance_id} sent nothing for {timeout_s:g}s "
+                      "mid-stream") from None
 
 
 class InstancePool:

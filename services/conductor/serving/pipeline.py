@@ -9,6 +9,13 @@ recomputes the tokens already streamed and returns the next one, and decode goes
 there with the same seed. The client sees one stream, each token once. With no instance left,
 the stream ends with an error event (`decode_failed`).
 
+A draining decode hands its streams over instead (`resume.HandedOff`, the stream's last message):
+the stream *continues* on another decode of the same revision with no prefill call, loading the
+KV the draining one stored (`_continue`); should that fail before a token, it takes the
+failover path above. A decode stream that sends nothing for `stall_timeout_s` after its first
+chunk (a frozen or partitioned instance) is abandoned (`instances.Stalled`): its instance
+leaves rotation until it answers a poll, and the stream is resumed by failover.
+
 A prefill group (its leader: one target) whose call fails retriably (a stage died or is
 partitioned: UNAVAILABLE within the group's stage timeout) is never picked again for that
 request: the retry goes to another group or a single instance (`_serve`'s `excluded`), counted
@@ -46,11 +53,17 @@ from mooncake_k8s.conductor.serving.errors import (
 from mooncake_k8s.conductor.serving.instances import (
     Instance,
     InstancePool,
+    Stalled,
     Unreachable,
+    next_within,
     until_answered,
 )
 from mooncake_k8s.conductor.serving.resume import (
     DecodeLost,
+    HandedOff,
+    continued_prompt,
+    continued_sampling,
+    handoff_mismatch,
     resume_candidates,
     resume_request_id,
     resumed_prompt,
@@ -113,8 +126,12 @@ class Pipeline:
     def __init__(self, prefills: InstancePool, decodes: InstancePool, router: Router,
                  attempts: int = 4, prefill_timeout_s: float = 600.0,
                  metrics: ConductorMetrics | None = None, max_resumes: int = 3,
-                 retry_wait_s: float = 3.0, fair: FairShare | None = None) -> None:
+                 retry_wait_s: float = 3.0, fair: FairShare | None = None,
+                 stall_timeout_s: float | None = None) -> None:
         self.metrics = metrics
+        self.stall_timeout_s = stall_timeout_s
+        """The per-token deadline of a decode stream once its first chunk came (None: off);
+        the first chunk waits for its KV and a batch slot, and has the pool's `lost` only."""
         self.fair = fair
         """Fair admission between tenants (`sched.fairshare`); None: off."""
         self.retry_wait_s = retry_wait_s
@@ -158,18 +175,25 @@ class Pipeline:
         gen = replace(gen, sampling=with_seed(gen.sampling))
         streamed: list[int] = []
         lost: DecodeLost | None = None
+        last_at = time.monotonic()
         for resume in range(self.max_resumes + 1):
-            work = gen if lost is None else self._resumed(gen, streamed, lost, resume)
+            if isinstance(lost, HandedOff):
+                attempt = self._continue(gen, streamed, lost, resume, out, last_at)
+            else:
+                work = gen if lost is None else self._resumed(gen, streamed, lost, resume)
+                attempt = self._serve(work, out, lost)
             try:
-                async with contextlib.aclosing(self._serve(work, out, lost)) as deltas:
+                async with contextlib.aclosing(attempt) as deltas:
                     async for delta in deltas:
                         streamed.append(delta.token_id)
                         yield delta
+                        last_at = time.monotonic()
                 return
             except DecodeLost as e:
                 lost = e
                 log.warning("decode lost mid-stream; resuming", extra={
-                    "request_id": gen.request_id, "error": str(e), "streamed": len(streamed)})
+                    "request_id": gen.request_id, "error": str(e), "streamed": len(streamed),
+                    "handoff": isinstance(e, HandedOff)})
         assert lost is not None
         raise self._resume_failed(lost, f"gave up after {self.max_resumes} resumes")
 
@@ -183,6 +207,56 @@ class Pipeline:
             raise NothingToResume(f"{lost}: {e}") from e
         return replace(gen, request_id=resume_request_id(gen.request_id, resume),
                        token_ids=resumed_prompt(gen.token_ids, streamed), sampling=sampling)
+
+    async def _continue(self, gen: Generation, streamed: list[int], handed: HandedOff,
+                        resume: int, out: Outcome, since: float
+                        ) -> AsyncGenerator[Delta, None]:
+        """A handed-over stream on another decode of the same revision, no prefill call: the
+        context's KV is loaded from the pool (`resume.continued_prompt`). A failure before its
+        first token raises a plain DecodeLost: the caller resumes by failover (re-prefill).
+        `since`: when the client got its last token (the stall at the handoff starts there)."""
+        why = handoff_mismatch(handed.handoff, len(gen.token_ids), len(streamed))
+        if why:
+            self._handoff_outcome("fallback")
+            raise DecodeLost(handed.instance, f"{handed}: {why}")
+        context, first = continued_prompt(gen.token_ids, streamed)
+        work = replace(gen, request_id=resume_request_id(gen.request_id, resume),
+                       token_ids=context, sampling=continued_sampling(gen.sampling,
+                                                                      len(streamed)))
+        # As a retry (attempt 1): the draining instance just left rotation, and a moment's
+        # wait for another (`retry_wait_s`) beats breaking the stream.
+        route = await self._route(work, handed, 1, str(handed))
+        out.decode = route.decode.instance_id
+        got = False
+        try:
+            async with contextlib.aclosing(self._decode(
+                    work, route, first, handed.handoff.tail_key, route.plan)) as chunks:
+                async for chunk in chunks:
+                    if not got:
+                        got = True
+                        self._handed_over(handed, since, out)
+                    yield self._next(chunk, out)
+        except (grpc.aio.AioRpcError, Unreachable) as e:
+            lost = self._lost(route.decode, e)
+            if not got:
+                self._handoff_outcome("fallback")
+                log.warning("handed-over stream did not continue; failover instead",
+                            extra={"request_id": gen.request_id, "error": str(lost)})
+            raise lost from e
+
+    def _handed_over(self, handed: HandedOff, since: float, out: Outcome) -> None:
+        now = time.monotonic()
+        out.resumes += 1
+        self._handoff_outcome("ok")
+        if self.metrics is not None:
+            self.metrics.handoff_stall.observe(now - since)
+        log.info("handed-over stream continued", extra={
+            "error": str(handed), "stall_s": round(now - since, 4),
+            "detected_s": round(now - handed.at, 4)})
+
+    def _handoff_outcome(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.handoffs.labels(outcome).inc()
 
     async def _serve(self, gen: Generation, out: Outcome,
                      lost: DecodeLost | None) -> AsyncGenerator[Delta, None]:
@@ -242,7 +316,10 @@ class Pipeline:
         def wanted(p: Instance) -> bool:
             return p.address not in gone and (not size or p.group_size == size)
 
-        prefills, decodes = await self._candidates(attempt, wanted if size or gone else None)
+        # A resume waits like a retry: the instance that failed it has just left rotation,
+        # and another may be benched for a moment (a stall on a busy host, a failed call).
+        prefills, decodes = await self._candidates(attempt or int(lost is not None),
+                                                   wanted if size or gone else None)
         if not prefills and (size or gone):
             what = f"with {size} stage(s) " if size else ""
             but = f" (other than the {len(gone)} group(s) that failed it)" if gone else ""
@@ -251,6 +328,8 @@ class Pipeline:
         if lost is not None:
             prefills = resume_candidates(prefills, lost.revision)
             decodes = resume_candidates(decodes, lost.revision)
+            if isinstance(lost, HandedOff):  # draining, whatever a late poll said
+                decodes = [d for d in decodes if d is not lost.instance]
             for role, left in (("decode", decodes), ("prefill", prefills)):
                 if not left:
                     raise self._resume_failed(lost, f"no {role} instance of revision "
@@ -314,7 +393,9 @@ class Pipeline:
         return DecodeLost(inst, f"decode instance {inst.instance_id} failed mid-stream: {msg}")
 
     def _resume_failed(self, lost: DecodeLost, why: str) -> DecodeFailed:
-        if self.metrics is not None:
+        if isinstance(lost, HandedOff):
+            self._handoff_outcome("failed")
+        elif self.metrics is not None:
             self.metrics.resumes.labels("failed").inc()
         return DecodeFailed(f"{lost}; {why}")
 
@@ -377,10 +458,13 @@ class Pipeline:
     def _abandoned(self, pool: InstancePool, inst: Instance, e: Unreachable) -> str:
         """A call given up on because its instance stopped answering (a partition): the
         instance is already out of rotation; the attempt goes to another one."""
-        msg = f"{pool.role} {inst.instance_id}: unreachable: {e}"
+        cause = "stalled" if isinstance(e, Stalled) else "unreachable"
+        msg = f"{pool.role} {inst.instance_id}: {cause}: {e}"
         pool.mark_failed(inst, msg)
-        log.warning("attempt abandoned: instance unreachable", extra={"error": msg})
-        self._rerouted(pool.role, _cause(inst, "unreachable"))
+        log.warning(f"attempt abandoned: instance {cause}", extra={"error": msg})
+        if isinstance(e, Stalled) and self.metrics is not None:
+            self.metrics.stream_stalls.inc()
+        self._rerouted(pool.role, _cause(inst, cause))
         return msg
 
     def _rerouted(self, role: str, cause: str) -> None:
@@ -424,13 +508,18 @@ class Pipeline:
                 )
                 call = inst.stub.Decode(req, metadata=self.decodes.metadata)
                 try:
-                    chunks = call.__aiter__()
+                    chunks, deadline = call.__aiter__(), None
                     while True:
                         try:
-                            chunk = await until_answered(inst, chunks.__anext__())
+                            chunk = await next_within(inst, chunks, deadline)
                         except StopAsyncIteration:
                             return
+                        if chunk.HasField("handoff"):
+                            # Draining: route nothing more there before the poll says so.
+                            self.decodes.mark_failed(inst, "draining (handed a stream over)")
+                            raise HandedOff(inst, chunk.handoff)
                         yield chunk
+                        deadline = self.stall_timeout_s
                 finally:
                     call.cancel()
         finally:

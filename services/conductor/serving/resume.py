@@ -8,6 +8,13 @@ sampler draws the token at absolute position p from a generator seeded with (see
 the resumed run samples exactly what the undisturbed one would have; with temperature 0 it is
 greedy and the text is the same.
 
+A drained decode (SIGTERM) hands a stream over instead (`HandedOff`): its last message says
+its KV is in the pool (the context's full blocks under the usual keys, the partial last block
+as `tail_key`). The stream then *continues* on another decode instance of the same revision
+with no prefill call: the context is the prompt plus every streamed token but the last, and the
+last one is the new call's `first_token` (`continued_prompt`, `continued_sampling`), so at most
+the tail block's tokens are ever recomputed (none: the tail is loaded too).
+
 The pipeline (`pipeline.Pipeline`) runs the resume; these functions are what tests call.
 """
 
@@ -34,6 +41,16 @@ class DecodeLost(MooncakeError):
         self.revision = instance.report.revision if instance.report else ""
         self.at = time.monotonic()
         """When the failure was detected: the resume latency starts here."""
+
+
+class HandedOff(DecodeLost):
+    """A draining decode handed the stream over (`DecodeChunk.handoff`): its KV is in the
+    pool and the stream continues on another instance without a prefill call."""
+
+    def __init__(self, instance: Instance, handoff: pb.DecodeHandoff) -> None:
+        super().__init__(instance, f"decode instance {instance.instance_id} handed the "
+                                   f"stream over ({handoff.reason or 'no reason given'})")
+        self.handoff = handoff
 
 
 def with_seed(sampling: pb.Sampling) -> pb.Sampling:
@@ -71,6 +88,36 @@ def resumed_sampling(sampling: pb.Sampling, produced: int) -> pb.Sampling:
     out.CopyFrom(sampling)
     out.max_tokens = sampling.max_tokens - produced
     return out
+
+
+def continued_prompt(prompt: Sequence[int], streamed: Sequence[int]) -> tuple[list[int], int]:
+    """(context, next token) of a handed-over stream: the context is every token whose KV the
+    draining decode stored (prompt + streamed[:-1]); the last streamed token's KV is not
+    computed yet, exactly as a prefill's `first_token`. Raises ValueError with nothing
+    streamed (there is no next token to continue from)."""
+    if not streamed:
+        raise ValueError("nothing was streamed: there is no token to continue from")
+    return [*prompt, *streamed[:-1]], streamed[-1]
+
+
+def continued_sampling(sampling: pb.Sampling, streamed: int) -> pb.Sampling:
+    """A continuation's sampling: the new call's `first_token` is the last streamed token and
+    counts toward `max_tokens` (as a prefill's does), so `streamed - 1` are already produced
+    and the stream still ends where the undisturbed one would. Same seed."""
+    return resumed_sampling(sampling, streamed - 1)
+
+
+def handoff_mismatch(handoff: pb.DecodeHandoff, prompt: int, streamed: int) -> str:
+    """Why a handoff cannot be continued as sent ("" when it can): the decode's context must be
+    exactly what the Conductor has (prompt + streamed - 1 tokens); any other count means the
+    stored KV is not this stream's, and the stream takes the failover path (re-prefill)."""
+    want = prompt + streamed - 1
+    if streamed < 1:
+        return "handoff before any token was streamed"
+    if handoff.context_tokens != want:
+        return (f"handoff says {handoff.context_tokens} context tokens, the stream has "
+                f"{want}")
+    return ""
 
 
 def resume_candidates(usable: Sequence[Instance], revision: str) -> list[Instance]:

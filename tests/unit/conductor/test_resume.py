@@ -11,6 +11,10 @@ from mooncake_k8s.common.rpc import serving_pb2 as pb
 from mooncake_k8s.conductor.serving.instances import Instance
 from mooncake_k8s.conductor.serving.resume import (
     DecodeLost,
+    HandedOff,
+    continued_prompt,
+    continued_sampling,
+    handoff_mismatch,
     resume_candidates,
     resume_request_id,
     resumed_prompt,
@@ -22,6 +26,42 @@ from mooncake_k8s.conductor.serving.resume import (
 def _inst(name: str, revision: str, channel: grpc.aio.Channel) -> Instance:
     return Instance(name, "decode", channel,
                     pb.LoadReport(instance_id=name, role="decode", revision=revision))
+
+
+def test_a_continuation_loads_all_but_the_last_streamed_token_and_goes_on_from_it() -> None:
+    # The last streamed token's KV is not computed yet: it is the new call's first token.
+    assert continued_prompt([1, 2, 3], [7, 8, 9]) == ([1, 2, 3, 7, 8], 9)
+    assert continued_prompt([1, 2, 3], [7]) == ([1, 2, 3], 7)
+    with pytest.raises(ValueError, match="nothing was streamed"):
+        continued_prompt([1, 2, 3], [])
+
+
+def test_a_continuation_counts_its_first_token_toward_max_tokens() -> None:
+    # 10 streamed of 64: the new first token is the 10th, so 55 more make the undisturbed 64.
+    s = pb.Sampling(temperature=0.7, max_tokens=64, has_seed=True, seed=3)
+    r = continued_sampling(s, 10)
+    assert r.max_tokens == 55
+    assert (r.seed, r.has_seed, r.temperature) == (3, True, s.temperature)
+    assert continued_sampling(s, 64).max_tokens == 1  # only the already-streamed one
+
+
+def test_a_handoff_whose_context_is_not_the_streams_is_refused() -> None:
+    ok = pb.DecodeHandoff(context_tokens=12, tail_key="t", stored_blocks=0, reason="drain")
+    assert handoff_mismatch(ok, prompt=10, streamed=3) == ""
+    assert "the stream has 13" in handoff_mismatch(ok, prompt=10, streamed=4)
+    assert "before any token" in handoff_mismatch(ok, prompt=12, streamed=0)
+
+
+def test_a_handoff_is_a_lost_decode_of_its_revision() -> None:
+    async def main() -> None:
+        ch = grpc.aio.insecure_channel("127.0.0.1:1")
+        e = HandedOff(_inst("d0", "v2", ch), pb.DecodeHandoff(context_tokens=5, reason="drain"))
+        assert isinstance(e, DecodeLost)
+        assert e.revision == "v2" and e.handoff.context_tokens == 5
+        assert "d0 handed the stream over (drain)" in str(e)
+        await ch.close(None)
+
+    asyncio.run(main())
 
 
 def test_the_prompt_is_the_original_then_what_the_client_has() -> None:

@@ -4,10 +4,17 @@ lost (a partition), and only then; the abandoned call is cancelled, never left r
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
 import pytest
 
-from mooncake_k8s.conductor.serving.instances import Instance, Unreachable, until_answered
+from mooncake_k8s.conductor.serving.instances import (
+    Instance,
+    Stalled,
+    Unreachable,
+    next_within,
+    until_answered,
+)
 
 
 def _inst() -> Instance:
@@ -55,5 +62,56 @@ def test_cancelling_the_waiter_cancels_the_call() -> None:
         with pytest.raises(asyncio.CancelledError):
             await waiter
         assert call.cancelled()
+
+    asyncio.run(main())
+
+
+class _Stream:
+    """An async iterator fed by hand, as a gRPC stream's chunks arrive; notes a cancelled
+    wait (the call being abandoned)."""
+
+    def __init__(self) -> None:
+        self.items: asyncio.Queue[int] = asyncio.Queue()
+        self.cancelled = 0
+
+    def __aiter__(self) -> AsyncIterator[int]:
+        return self
+
+    async def __anext__(self) -> int:
+        try:
+            return await self.items.get()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+
+def test_a_stream_silent_past_its_deadline_is_stalled_and_its_wait_cancelled() -> None:
+    async def main() -> None:
+        inst, stream = _inst(), _Stream()
+        stream.items.put_nowait(7)
+        assert await next_within(inst, stream, 0.05) == 7
+        with pytest.raises(Stalled, match=r"prefill 10\.0\.0\.1:1 sent nothing for 0\.05s"):
+            await next_within(inst, stream, 0.05)
+        assert stream.cancelled == 1
+        # A stall is an abandoned call: the pipeline treats it as one (`Unreachable`).
+        assert issubclass(Stalled, Unreachable)
+
+    asyncio.run(main())
+
+
+def test_no_deadline_waits_and_a_lost_instance_still_abandons() -> None:
+    async def main() -> None:
+        inst, stream = _inst(), _Stream()
+        waiter = asyncio.ensure_future(next_within(inst, stream, None))
+        await asyncio.sleep(0.1)
+        assert not waiter.done()
+        stream.items.put_nowait(3)
+        assert await waiter == 3
+        waiter = asyncio.ensure_future(next_within(inst, stream, None))
+        await asyncio.sleep(0.01)
+        inst.lost.set()
+        with pytest.raises(Unreachable, match="stopped answering"):
+            await waiter
+        assert stream.cancelled == 1
 
     asyncio.run(main())
