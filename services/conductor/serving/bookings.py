@@ -17,6 +17,10 @@ them), plus streams admitted but still loading their KV (counted by the step, no
 starts a new count; its old streams died with it, so the pending ones are dropped. A booking
 that never reaches the decode (its prefill failed, the client left) is dropped after
 `max_age_s`, or earlier by any admission there.
+
+A decode that has never reported a count (a version without the field, during a rollout; or
+one that has admitted nothing yet) keeps bookings only `uncounted_age_s` (a few polls): by
+then its `running` shows them, as before the count existed.
 """
 
 from __future__ import annotations
@@ -36,13 +40,16 @@ class _Instance:
     pending: deque[tuple[float, int]] = field(default_factory=deque)
     """(monotonic booking time, tokens) of bookings not yet counted, oldest first."""
     tokens: int = 0
+    counting: bool = False
+    """The instance has reported a count above 0: it keeps one."""
 
 
 class DecodeBookings:
     """Per decode instance (by address): this Conductor's uncounted bookings."""
 
-    def __init__(self, max_age_s: float = 120.0) -> None:
+    def __init__(self, max_age_s: float = 120.0, uncounted_age_s: float = 2.0) -> None:
         self.max_age_s = max_age_s
+        self.uncounted_age_s = uncounted_age_s
         self._by_addr: dict[str, _Instance] = {}
 
     def book(self, address: str, tokens: int, report: pb.LoadReport | None,
@@ -54,6 +61,7 @@ class DecodeBookings:
             st = self._by_addr[address] = _Instance()
             if report is not None:
                 st.report, st.accepted = report, int(report.accepted_streams)
+                st.counting = st.accepted > 0
         st.pending.append((time.monotonic() if now is None else now, tokens))
         st.tokens += tokens
 
@@ -65,7 +73,8 @@ class DecodeBookings:
             return 0, 0
         if report is not None and report is not st.report:
             self._reconcile(st, report)
-        cutoff = (time.monotonic() if now is None else now) - self.max_age_s
+        age = self.max_age_s if st.counting else self.uncounted_age_s
+        cutoff = (time.monotonic() if now is None else now) - age
         q = st.pending
         while q and q[0][0] < cutoff:
             st.tokens -= q.popleft()[1]
@@ -74,6 +83,7 @@ class DecodeBookings:
     @staticmethod
     def _reconcile(st: _Instance, report: pb.LoadReport) -> None:
         acc = int(report.accepted_streams)
+        st.counting = st.counting or acc > 0
         first = st.report is None
         st.report = report
         if first:  # booked without a report (not done by the router): a count starts here

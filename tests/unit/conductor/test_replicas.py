@@ -128,3 +128,13 @@ def test_bookings_restart_and_age() -> None:
     assert b.pending("d:1", r1, now=12.0) == (1, 70)
     assert b.pending("d:1", r1, now=13.5) == (0, 0)  # never reached the decode: aged out
     assert b.pending("other:1", None) == (0, 0)
+
+
+def test_bookings_on_a_decode_that_reports_no_count_are_kept_a_few_polls() -> None:
+    """A decode without `accepted_streams` (an older version mid-rollout) never moves the
+    count: its `running` is what counts the bookings, after a poll or two."""
+    b = DecodeBookings(max_age_s=120, uncounted_age_s=2)
+    old = _report("decode", "d", running=3)
+    b.book("d:1", 10, old, now=0.0)
+    assert b.pending("d:1", old, now=1.5) == (1, 10)
+    assert b.pending("d:1", _report("decode", "d", running=4), now=2.5) == (0, 0)
