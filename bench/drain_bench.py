@@ -83,6 +83,16 @@ def _help(cmd: str) -> str:
     return out.stdout + out.stderr
 
 
+def commit() -> str:
+    """The tree measured: HEAD, "+dirty" when files differ from it (others' work under way)."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], capture_output=True, text=True, check=False,
+                              cwd=BENCH_DIR.parent).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return git("rev-parse", "--short", "HEAD") + ("+dirty" if dirty else "")
+
+
 def features() -> dict[str, bool]:
     """Which of issue 23's pieces this tree has (flags and wire fields), read at run time."""
     from mooncake_k8s.common.rpc import serving_pb2, store_pb2
@@ -434,7 +444,8 @@ def main() -> int:
         "bench": "drain_bench", "date": datetime.datetime.now(datetime.UTC).isoformat(),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, "
                    f"kernel {platform.release()}",
-        "plan": asdict(plan), "quick": args.quick, "rows": args.rows, "features": feats,
+        "commit": commit(), "plan": asdict(plan), "quick": args.quick, "rows": args.rows,
+        "features": feats,
         "stall_timeout": args.stall_timeout}
     res.update(run(args, plan, feats, print))
     res["wall_s"] = time.monotonic() - t0
@@ -442,7 +453,8 @@ def main() -> int:
     print(text)
     Path(out + ".json").write_text(json.dumps(res, indent=2, default=str) + "\n")
     feat = ", ".join(f"{k} {'yes' if v else 'no'}" for k, v in feats.items())
-    Path(out + ".txt").write_text(f"{res['machine']}, {res['date']}, {res['wall_s']:.0f} s"
+    Path(out + ".txt").write_text(f"{res['machine']}, {res['date']}, tree {res['commit']}, "
+                                  f"{res['wall_s']:.0f} s"
                                   f"{' (--quick)' if args.quick else ''}\nfeatures: {feat}\n\n"
                                   f"{text}\n")
     print(f"wrote {out}.json and .txt ({res['wall_s']:.0f} s)")
