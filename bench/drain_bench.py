@@ -34,7 +34,7 @@ streams stall for the whole freeze; a restarted Conductor is blind).
 
 Usage: python bench/drain_bench.py [--rows 1,2,3,4,5] [--quick] [--stall-timeout S]
 Order: drain (then the undisturbed run), SIGSTOP, partition, Conductor restart, and last the
-kill -9 (its decode is not started again). Full: about 6 min on a quiet 2-core box (an
+kill -9 (its decode is not started again). Full: about 7 min on a quiet 2-core box (an
 estimate; the loaded box's --quick took 7 min); --quick (4 streams of 80 tokens, 1 s grace,
 4 s faults, one 500-token prompt) is a dry run of every row. Needs root and network namespaces
 (docs/testbed.md). Writes bench/results/drain_bench.json and .txt (--quick: drain_bench-quick).
@@ -427,9 +427,13 @@ def main() -> int:
                     help="--stream-stall-timeout for the Conductor (default: its own)")
     ap.add_argument("--out", default=None, help="output path without extension")
     args = ap.parse_args()
-    args.rows = sorted({int(x) for x in args.rows.split(",") if x})
+    given = args.rows
+    try:
+        args.rows = sorted({int(x) for x in given.split(",") if x.strip()})
+    except ValueError:
+        args.rows = []
     if not args.rows or any(r not in range(1, 6) for r in args.rows):
-        ap.error("--rows: give numbers from 1 to 5, such as 1,2,3")
+        ap.error(f"--rows: give numbers from 1 to 5, such as 1,2,3 (not {given!r})")
     # SIGTERM ends the run through the `with` blocks: the bed's processes and namespaces go.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     plan = QUICK if args.quick else FULL
