@@ -74,6 +74,12 @@ _worker_opts = [
                  help="Liveness: /healthz answers 503 once a call into the loaded engine has "
                       "waited this many seconds while nothing else it serves moved (a hung "
                       "engine); keep it above the longest prefill."),
+    click.option("--drain-timeout", envvar="MOONCAKE_DRAIN_TIMEOUT", default=30.0,
+                 show_default=True, show_envvar=True, type=click.FloatRange(min=0),
+                 help="Seconds of grace after SIGTERM: prefill finishes its queue, decode lets "
+                      "streams that fit finish and hands the others over to another instance "
+                      "through the pool; whatever is left at the end is handed over (decode) "
+                      "or refused UNAVAILABLE (prefill), so the Conductor resumes it."),
     click.argument("engine_argv", nargs=-1, type=click.UNPROCESSED),
     click.option("--metrics-port", envvar="MOONCAKE_METRICS_PORT", default=d.WORKER_METRICS_PORT,
                  show_default=True, show_envvar=True, type=click.IntRange(-1, 65535),
@@ -280,7 +286,7 @@ def _worker(role: str, o: dict[str, Any], **extra: Any) -> None:
         metrics_port=None if o["metrics_port"] < 0 else o["metrics_port"],
         instance_id=o["instance_id"] or f"{socket.gethostname()}-{os.getpid()}",
         revision=o["revision"], transport=transport, engine_kind=kind,
-        stall_timeout_s=o["stall_timeout"],
+        stall_timeout_s=o["stall_timeout"], drain_timeout_s=o["drain_timeout"],
         engine_settings=engine_kind(kind).settings({
             "args": tuple(args), "ready_timeout_s": o["engine_ready_timeout"],
             "sidecar": o["sidecar"], "pd_port": o["pd_port"],

@@ -28,7 +28,7 @@ from mooncake_k8s.common.metrics import LATENCY_BUCKETS
 from mooncake_k8s.common.rpc import serving_pb2 as pb
 from mooncake_k8s.common.rpc import serving_pb2_grpc as pb_grpc
 from mooncake_k8s.common.serving_rpc import servicer_handler
-from mooncake_k8s.engine.api import DecodeWork, EngineFailed, KVMissing, resolve_plan
+from mooncake_k8s.engine.api import DecodeWork, EngineFailed, Handoff, KVMissing, resolve_plan
 from mooncake_k8s.worker.base import DecodeWorker, WorkerConfig, run_worker
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,14 @@ class DecodeService(DecodeWorker):
                                    "Streams whose client went away before the end", registry=r)
         self.m_kv_free = Gauge("mooncake_decode_kv_free_tokens",
                                "Tokens of KV the engine has free", registry=r)
+        self.m_handoffs = Counter(
+            "mooncake_decode_handoffs_total", "Streams handed over to another instance through "
+            "the pool at drain: handed_off, or failed (the stream took the failover path)",
+            ["outcome"], registry=r)
+        self.m_handoff_tokens = Counter(
+            "mooncake_decode_handoff_context_tokens_total",
+            "Context tokens of handed-over streams (their KV written to or kept in the pool)",
+            registry=r)
         self.m_plans = Counter("mooncake_decode_plans_total",
                                "Conductor plans: followed, or not trusted (keys recomputed)",
                                ["outcome"], registry=r)
@@ -116,7 +124,7 @@ class DecodeService(DecodeWorker):
         ctx.add_callback(cancelled.set)
         t0 = time.monotonic()
         first = True
-        finished = False
+        finished = handed = False
         tokens: Iterator[Any] | None = None
         try:
             with tracing.span("decode", dict(req.trace_context), request_id=req.request_id):
@@ -125,6 +133,10 @@ class DecodeService(DecodeWorker):
                     if first:
                         self.m_load.observe(time.monotonic() - t0)
                         first = False
+                    if item.handoff is not None:
+                        handed = True
+                        yield self._handoff_chunk(item.handoff)
+                        break
                     self.m_tokens.inc()
                     finished = item.finished
                     yield pb.DecodeChunk(token_id=item.token_id, text=item.text,
@@ -134,6 +146,8 @@ class DecodeService(DecodeWorker):
                         break
             if finished:
                 self.m_requests.labels("ok").inc()
+            elif handed:
+                self.m_requests.labels("handoff").inc()
             elif cancelled.is_set():
                 self._count_cancelled()
         except GeneratorExit:
@@ -150,6 +164,8 @@ class DecodeService(DecodeWorker):
             ctx.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except (StoreError, EngineFailed) as e:
             self.m_requests.labels("unavailable").inc()
+            if self.handing_over(req.request_id):
+                self.m_handoffs.labels("failed").inc()
             ctx.abort(grpc.StatusCode.UNAVAILABLE, f"decode failed: {e}")
         except Exception as e:
             self.m_requests.labels("error").inc()
@@ -160,6 +176,14 @@ class DecodeService(DecodeWorker):
             if close is not None:
                 close()
             self.release()
+
+    def _handoff_chunk(self, h: Handoff) -> pb.DecodeChunk:
+        """The last message of a handed-over stream (token fields unset)."""
+        self.m_handoffs.labels("handed_off").inc()
+        self.m_handoff_tokens.inc(h.context_tokens)
+        return pb.DecodeChunk(handoff=pb.DecodeHandoff(
+            context_tokens=h.context_tokens, tail_key=h.tail_key,
+            stored_blocks=h.stored_blocks, reason=h.reason))
 
     def _count_cancelled(self) -> None:
         self.m_cancelled.inc()

@@ -21,7 +21,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import ClassVar, Literal, Protocol, Self, TypeVar
+from typing import ClassVar, Literal, Protocol, Self, TypeVar, runtime_checkable
 
 from mooncake_k8s.common.blocks import KeyNamespace, block_keys
 from mooncake_k8s.common.defaults import BLOCK_TOKENS
@@ -230,11 +230,38 @@ class DecodeWork:
 
 
 @dataclass(frozen=True)
+class Handoff:
+    """Where a handed-over stream's KV went (`pb.DecodeHandoff`): the context (prompt and every
+    generated token but the last, whose KV is not computed yet) is in the pool, its full blocks
+    under their usual keys and its partial last block under `tail_key`."""
+
+    context_tokens: int
+    tail_key: str
+    stored_blocks: int
+    """Full blocks of the context in the pool off the handing instance (written or present)."""
+    reason: str = "drain"
+
+
+@dataclass(frozen=True)
 class TokenOut:
     token_id: int
     text: str
     finished: bool = False
     finish_reason: str | None = None
+    handoff: Handoff | None = None
+    """Set only on a handed-over stream's last item (token fields unset there): the stream
+    ends here and continues on another instance from the pool."""
+
+
+@dataclass(frozen=True)
+class StreamState:
+    """A decode stream as the drain policy sees it (`HandoffEngine.streams`)."""
+
+    request_id: str
+    remaining: int
+    """Tokens it may still produce (an upper bound: it may stop earlier)."""
+    running: bool
+    """In the batch (False: admitted but waiting for room)."""
 
 
 @dataclass(frozen=True)
@@ -288,6 +315,29 @@ class DecodeEngine(Engine, Protocol):
     def step_seconds(self) -> list[float]:
         """Durations of the batched steps since the last call ([] where the engine does not
         time its own steps, as with a server child): the service's step histogram."""
+        ...
+
+
+@runtime_checkable
+class HandoffEngine(Protocol):
+    """A decode engine that can hand a live stream over to another instance through the pool
+    (the embedded engine; vLLM and SGLang cannot: their streams end at the drain's end)."""
+
+    def streams(self) -> list[StreamState]:
+        """Every stream it holds now."""
+        ...
+
+    def step_estimate(self) -> float:
+        """Recent seconds per batched step (0.0 before the first): remaining x this is how
+        long a stream still needs."""
+        ...
+
+    def handoff(self, request_id: str, segment: str, avoid: str) -> bool:
+        """Ask for the stream to be handed over at the next step boundary: its context's KV is
+        written to the pool (on `segment`, "" = the store's choice; a block whose only copy is
+        on `avoid`, the instance's own segment that goes away with it, is written again) and
+        its iterator ends with a `TokenOut.handoff` item. False when the stream is not held
+        (finished, unknown). Returns at once; the stream's own thread does the writes."""
         ...
 
 

@@ -16,11 +16,12 @@ beside the copy it writes for decode, so a repeat routed to this host reads shar
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import CancelledError, Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,7 +73,7 @@ class _Handlers(grpc.GenericRpcHandler):  # type: ignore[type-arg]
         return None
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
     request: pb.PrefillRequest
     trace: dict[str, str]
@@ -80,6 +81,15 @@ class _Job:
     done: Future[pb.PrefillResponse] = field(default_factory=Future)
     cancelled: threading.Event = field(default_factory=threading.Event)
     """Set when the caller's RPC ends (the client went away): a queued job is then skipped."""
+
+
+STOP_WAIT_S = 5.0
+"""How long stopping waits for the prompt being computed (halted at a drain's end) before the
+store it writes to is closed."""
+
+
+class _GaveUp(MooncakeError):
+    """The drain's grace ended before the prompt was computed (the Conductor retries it)."""
 
 
 class PrefillService(PrefillWorker):
@@ -91,6 +101,9 @@ class PrefillService(PrefillWorker):
         self._queued_tokens = 0
         self._queued_requests = 0
         self._qlock = threading.Lock()
+        self._engine_thread: threading.Thread | None = None
+        self._open: set[_Job] = set()
+        """Jobs queued or computing: what `give_up` ends at the drain's end."""
         r = self.registry
         self.m_requests = Counter("mooncake_prefill_requests_total", "Prefill requests",
                                   ["result"], registry=r)
@@ -113,7 +126,9 @@ class PrefillService(PrefillWorker):
     def on_engine_loaded(self, engine: Any) -> None:
         if self.pipeline is not None:
             self.pipeline.on_engine_loaded(engine)
-        threading.Thread(target=self._run, name="prefill-engine", daemon=True).start()
+        self._engine_thread = threading.Thread(target=self._run, name="prefill-engine",
+                                               daemon=True)
+        self._engine_thread.start()
 
     def handlers(self) -> grpc.GenericRpcHandler:  # type: ignore[type-arg]
         prefill = servicer_handler(pb_grpc.add_PrefillServicer_to_server, _Servicer(self))
@@ -132,8 +147,22 @@ class PrefillService(PrefillWorker):
             rep.queued_requests = self._queued_requests
         return rep
 
+    def give_up(self) -> None:
+        """The grace is over: every prompt still queued or computing ends UNAVAILABLE now, and
+        an engine that can stops computing (so the process exits with nothing running)."""
+        with self._qlock:
+            jobs = list(self._open)
+        for job in jobs:
+            with contextlib.suppress(InvalidStateError):
+                job.done.set_exception(_GaveUp("the drain's grace ended first"))
+        halt = getattr(self.engine, "halt", None)
+        if halt is not None:
+            halt()
+
     def stop(self) -> None:
         self._jobs.put(None)
+        if self._engine_thread is not None:  # a halted prefill ends within a chunk
+            self._engine_thread.join(STOP_WAIT_S)
         super().stop()
         if self.pipeline is not None:
             self.pipeline.close()
@@ -160,30 +189,41 @@ class PrefillService(PrefillWorker):
                 self._queued_tokens += len(req.token_ids)
                 self._queued_requests += 1
                 self.m_queue.set(self._queued_tokens)
+                self._open.add(job)
             self._jobs.put(job)
             try:
                 return job.done.result()
-            except CancelledError:  # skipped: the caller went away (counted by _run)
-                ctx.abort(grpc.StatusCode.CANCELLED, "the caller went away")
-            except InvalidArgument as e:
-                self.m_requests.labels("invalid").inc()
-                ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            except StageFailed as e:
-                self.m_requests.labels("stage_failed").inc()
-                group = self.config.pipeline_group
-                ctx.abort(grpc.StatusCode.UNAVAILABLE, f"prefill group {group!r} failed: {e}")
-            except StoreError as e:
-                self.m_requests.labels("store_error").inc()
-                ctx.abort(grpc.StatusCode.UNAVAILABLE, f"KV handoff failed: {e}")
-            except EngineFailed as e:
-                self.m_requests.labels("engine_failed").inc()
-                ctx.abort(grpc.StatusCode.UNAVAILABLE, f"prefill engine failed: {e}")
             except Exception as e:
-                self.m_requests.labels("error").inc()
-                ctx.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {type(e).__name__}: {e}")
+                self._abort(ctx, e)
             raise AssertionError("unreachable")
         finally:
             self.release()
+
+    def _abort(self, ctx: grpc.ServicerContext, err: Exception) -> None:
+        """End the call with the status the job's failure maps to (counted)."""
+        try:
+            raise err
+        except CancelledError:  # skipped: the caller went away (counted by _run)
+            ctx.abort(grpc.StatusCode.CANCELLED, "the caller went away")
+        except _GaveUp as e:
+            self.m_requests.labels("drained").inc()
+            ctx.abort(grpc.StatusCode.UNAVAILABLE, f"prefill is draining: {e}")
+        except InvalidArgument as e:
+            self.m_requests.labels("invalid").inc()
+            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except StageFailed as e:
+            self.m_requests.labels("stage_failed").inc()
+            group = self.config.pipeline_group
+            ctx.abort(grpc.StatusCode.UNAVAILABLE, f"prefill group {group!r} failed: {e}")
+        except StoreError as e:
+            self.m_requests.labels("store_error").inc()
+            ctx.abort(grpc.StatusCode.UNAVAILABLE, f"KV handoff failed: {e}")
+        except EngineFailed as e:
+            self.m_requests.labels("engine_failed").inc()
+            ctx.abort(grpc.StatusCode.UNAVAILABLE, f"prefill engine failed: {e}")
+        except Exception as e:
+            self.m_requests.labels("error").inc()
+            ctx.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {type(e).__name__}: {e}")
 
     # -- the engine thread -----------------------------------------------------------------
 
@@ -193,18 +233,24 @@ class PrefillService(PrefillWorker):
             if job is None:
                 return
             try:
+                if job.done.done():  # given up on at the drain's end
+                    continue
                 if job.cancelled.is_set():  # nobody waits for it: compute nothing
                     self.m_requests.labels("cancelled").inc()
                     job.done.cancel()
                     continue
-                job.done.set_result(self._execute(job))
-                self.m_requests.labels("ok").inc()
+                result = self._execute(job)
+                with contextlib.suppress(InvalidStateError):  # given up on meanwhile
+                    job.done.set_result(result)
+                    self.m_requests.labels("ok").inc()
             except Exception as e:
                 if not isinstance(e, MooncakeError):
                     log.exception("prefill failed", extra={"request_id": job.request.request_id})
-                job.done.set_exception(e)
+                with contextlib.suppress(InvalidStateError):
+                    job.done.set_exception(e)
             finally:
                 with self._qlock:
+                    self._open.discard(job)
                     self._queued_tokens -= len(job.request.token_ids)
                     self._queued_requests -= 1
                     self.m_queue.set(self._queued_tokens)

@@ -10,10 +10,20 @@ computed (the plan's `home_segment`), so a repeat on this host reads shared memo
 crossing the network. Both report it (`LoadReport.local_segment`) with the host id that tells
 the Conductor which other segments share the host (`LoadReport.host_id`).
 
+Drain (SIGTERM, `--drain-timeout`): the worker turns draining at once (readiness false, the
+load report says so, new calls get UNAVAILABLE), then works off what it holds within the grace
+(`Worker.drain`). Prefill finishes its queue; prompts still in flight at the grace's end (less
+a margin) end UNAVAILABLE, which the Conductor retries elsewhere. Decode with an engine that
+can hand a stream over (`HandoffEngine`, the embedded one) lets a stream finish when its
+remaining tokens x the recent step time fit in the grace left (with a safety factor and the
+margin) and hands every other one over through the pool at once; at the grace's end less the
+margin, anything left is handed over. Other engines' streams run until the grace ends and are
+then cut (the Conductor resumes them by re-prefilling: the failover path).
+
 The engine loads in the background so `/healthz` answers at once and `/readyz` turns 200 only
 when the model is in memory; a pod is never routed to before it can serve. On SIGTERM a worker
-stops taking new requests (readiness fails, new calls get UNAVAILABLE), lets the running ones
-finish within a grace period, then exits.
+stops taking new requests (readiness fails, new calls get UNAVAILABLE), drains (below), then
+exits.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily
 from typing_extensions import TypeVar
 
+from mooncake_k8s.common.errors import StoreError
 from mooncake_k8s.common.health import HealthServer, Watchdog, injected_hang, stop_requested
 from mooncake_k8s.common.rpc import serving_pb2 as pb
 from mooncake_k8s.common.rpcserver import start_server
@@ -43,9 +54,11 @@ from mooncake_k8s.engine.api import (
     EngineInfo,
     EngineKind,
     EngineSettings,
+    HandoffEngine,
     ModelConfig,
     PrefillEngine,
     Role,
+    StreamState,
 )
 from mooncake_k8s.engine.registry import engine_kind
 from mooncake_k8s.store.client import StoreClient
@@ -112,6 +125,24 @@ E = TypeVar("E", bound=Engine, default=Engine)
 R = TypeVar("R")
 T = TypeVar("T")
 _END = object()
+
+HANDOFF_SAFETY = 1.5
+"""A stream may finish during a drain when its remaining tokens x the step time x this fit."""
+
+
+def hand_off_now(stream: StreamState, step_s: float, left_s: float) -> bool:
+    """Whether a draining decode hands `stream` over now rather than let it finish: it is not
+    in the batch, or its remaining tokens x the step time (x `HANDOFF_SAFETY`) do not fit in
+    the `left_s` seconds of grace left before the margin."""
+    if left_s <= 0 or not stream.running:
+        return True
+    return stream.remaining * step_s * HANDOFF_SAFETY > left_s
+
+
+def drain_margin(grace: float) -> float:
+    """The end of a grace kept for handing over (decode) or failing (prefill) what is left:
+    a tenth of it, at least 0.5 s, at most half of it."""
+    return min(max(0.5, 0.1 * grace), grace / 2)
 
 
 class Worker(Generic[E]):
@@ -263,17 +294,36 @@ class Worker(Generic[E]):
         return f"{host}:{self.port}"
 
     def drain_and_stop(self) -> None:
-        """Refuse new work, wait for the running requests (bounded), then stop."""
+        """Refuse new work, drain what is held within the grace (`drain`), then stop."""
         self.draining.set()
         self._ready_gauge.labels(self.role).set(0)
-        deadline = time.monotonic() + self.config.drain_timeout_s
-        with self._inflight_lock:
-            while self._inflight and time.monotonic() < deadline:
-                self._inflight_lock.wait(0.1)
-            left = self._inflight
+        self.drain(time.monotonic() + self.config.drain_timeout_s)
+        left = self.inflight()
         if left:
             log.warning("drain timed out", extra={"inflight": left})
         self.stop()
+
+    def drain(self, deadline: float) -> None:
+        """Let the requests in flight finish until `deadline` less the margin, then give up
+        on the rest (`give_up`) and wait for them to answer until `deadline`."""
+        self.wait_idle(deadline - drain_margin(deadline - time.monotonic()))
+        if self.inflight():
+            self.give_up()
+            self.wait_idle(deadline)
+
+    def give_up(self) -> None:
+        """End the requests still in flight at the grace's end (a role's own way)."""
+
+    def inflight(self) -> int:
+        with self._inflight_lock:
+            return self._inflight
+
+    def wait_idle(self, until: float, poll: float = 0.1) -> bool:
+        """Wait until no request is in flight or `until` (monotonic) passes: whether idle."""
+        with self._inflight_lock:
+            while self._inflight and time.monotonic() < until:
+                self._inflight_lock.wait(min(poll, max(0.0, until - time.monotonic())))
+            return not self._inflight
 
     def stop(self) -> None:
         self.draining.set()
@@ -368,12 +418,50 @@ class PrefillWorker(Worker[PrefillEngine]):
 
 
 class DecodeWorker(Worker[DecodeEngine]):
-    """A worker whose engine decodes."""
+    """A worker whose engine decodes; at drain it hands live streams over (module doc)."""
 
     role = "decode"
 
+    def __init__(self, config: WorkerConfig) -> None:
+        super().__init__(config)
+        self._handing: set[str] = set()
+
     def open_engine(self, kind: type[EngineKind], ctx: EngineContext) -> DecodeEngine:
         return kind.open_decode(ctx)
+
+    def handing_over(self, request_id: str) -> bool:
+        """Whether the drain asked for this stream to be handed over."""
+        return request_id in self._handing
+
+    def handoff_segment(self) -> str:
+        """Where handed-over KV goes: the DRAM segment with the most free room other than this
+        worker's own, which leaves with it ("" = the store's choice)."""
+        try:
+            segs = self.store.segments()
+        except StoreError as e:
+            log.warning("no segment list for the handoff", extra={"error": str(e)})
+            return ""
+        ok = [s for s in segs if s.name != self.local_segment and s.tier == "dram"]
+        return max(ok, key=lambda s: s.size - s.used).name if ok else ""
+
+    def drain(self, deadline: float) -> None:
+        engine = self.engine
+        if not isinstance(engine, HandoffEngine):
+            self.wait_idle(deadline)  # cut at the grace's end: the Conductor's failover path
+            return
+        margin = drain_margin(deadline - time.monotonic())
+        segment = self.handoff_segment()
+        while not self.wait_idle(time.monotonic() + 0.05, poll=0.05):
+            left = deadline - margin - time.monotonic()
+            if left <= -margin:
+                return
+            step = engine.step_estimate()
+            for st in engine.streams():
+                if st.request_id in self._handing:
+                    continue
+                if hand_off_now(st, step, left):
+                    self._handing.add(st.request_id)
+                    engine.handoff(st.request_id, segment, self.local_segment)
 
 
 class _EngineCounters:

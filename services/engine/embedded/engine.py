@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 from mooncake_k8s.common import blocks as kvfmt
-from mooncake_k8s.common.errors import IntegrityError, InvalidArgument
+from mooncake_k8s.common.errors import IntegrityError, InvalidArgument, MooncakeError
 from mooncake_k8s.engine.embedded import hfmodel
 from mooncake_k8s.engine.embedded.detokenizing import TextStream
 from mooncake_k8s.engine.embedded.kvblocks import BlockCodec
@@ -69,6 +70,24 @@ class _Sequence:
     params: SamplingParams
     seed: int
     stream: TextStream
+
+
+class Halted(MooncakeError):
+    """The engine was halted (`Engine.halted`) during a prefill: the worker is stopping."""
+
+
+@dataclass
+class SequenceExport:
+    """A running sequence's KV as blocks, taken when it is handed over (`Engine.export`)."""
+
+    length: int
+    """Context tokens whose KV was exported (prompt + generated tokens but the last)."""
+    next_token: int
+    """The last generated token: its KV is not computed yet."""
+    blocks: list[tuple[int, bytes]]
+    """(index, encoded block) of the full blocks from the `first_block` asked for."""
+    tail: bytes | None
+    """The partial last block (None when `length` is a block multiple)."""
 
 
 def _after_layer(layers: LayerExport, end: int, layer: int) -> None:
@@ -123,6 +142,9 @@ class Engine:
             enabled=self.device.type == "cpu",
         )
         self._scratch: torch.Tensor | None = None
+        self.halted = threading.Event()
+        """Set when the worker gives up on its work (the end of a drain): a prefill in
+        progress stops at its next chunk, so the process exits without a computation running."""
 
     def _default_capacity(self) -> int:
         budget = self.config.kv_budget_bytes
@@ -329,6 +351,8 @@ class Engine:
         ids = ids.to(self.device)
         hidden: torch.Tensor | None = None
         for s, e in self.compute_chunks(start, n):
+            if self.halted.is_set():
+                raise Halted("the engine was halted (the worker is stopping)")
             hidden = self.model.prefill_chunk(ids[s:e], s, kv, after_layer_hook(layers, e))
         if n % self.block_tokens == 0:  # logits from a one-token pass, as a full hit does
             x = self.model.embed_ids(torch.tensor([host_last], device=self.device))
@@ -469,6 +493,30 @@ class Engine:
     def abort(self, seq_id: str) -> None:
         """Drop a sequence and free its KV; unknown or finished ids are ignored (idempotent)."""
         self._release(seq_id)
+
+    @torch.inference_mode()
+    def export(self, seq_id: str, first_block: int = 0) -> SequenceExport | None:
+        """Encode a running sequence's KV (full blocks from `first_block`, and the tail) and
+        drop the sequence: the handoff of a live stream (None: not running). The blocks are the
+        very bits the next step would have read, so an engine importing them continues as this
+        one would have (greedy identity across the handoff)."""
+        seq = self._running.get(seq_id)
+        if seq is None:
+            return None
+        try:
+            bt, n = self.block_tokens, seq.length
+            full = n // bt
+            first = max(0, min(first_block, full))
+            blocks = list(zip(range(first, full),
+                              self.codec.export_range(seq.kv, first, full - first), strict=True))
+            tail = self.codec.export(seq.kv, full * bt, n) if n % bt else None
+        finally:
+            self._release(seq_id)
+        return SequenceExport(n, seq.next_token, blocks, tail)
+
+    def remaining(self) -> dict[str, int]:
+        """Tokens each running sequence may still produce (at most: it may stop earlier)."""
+        return {s.seq_id: s.max_new - s.generated for s in self._running.values()}
 
     def has_sequence(self, seq_id: str) -> bool:
         return seq_id in self._running
