@@ -202,12 +202,21 @@ async def apply(runtime: Runtime, cluster: Obj) -> tuple[render.Rendered, Replic
     # Remember the counts before writing: the scalers' own watch events then see nothing new.
     runtime.memory(cluster).last_counts = dict(rendered.replicas)
     await ensure_token(client, cluster)
+
+    async def seed(roles: list[str]) -> None:
+        for role in roles:
+            await client.patch_merge(*SCALER, ns, naming.name(meta["name"], role),
+                                     {"spec": {"replicas": reps.seeds[role]}},
+                                     subresource="scale")
+
+    # An existing scaler gets its new count before the seed annotation that records it: in
+    # the other order a reader in between (the scaler's own watch event, the timer) sees the
+    # annotation with the old count, takes the old count as the scaler's, and applies it.
+    await seed([r for r in reps.seeds if r in scalers])
     for obj in rendered.objects:
         if obj["kind"] != "HTTPRoute":
             await client.apply(obj)
-    for role, count in reps.seeds.items():
-        await client.patch_merge(*SCALER, ns, naming.name(meta["name"], role),
-                                 {"spec": {"replicas": count}}, subresource="scale")
+    await seed([r for r in reps.seeds if r not in scalers])  # created just above
     for route in rendered.by_kind("HTTPRoute"):
         await apply_route(client, route)
     return rendered, reps

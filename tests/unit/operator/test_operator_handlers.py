@@ -88,6 +88,13 @@ class ApplyingEmulator(kmock.KubernetesEmulator):
                 meta["name"] = f"{meta['generateName']}{n}"
         elif request.action == kmock.action.UPDATE and isinstance(request.data, dict):
             request.data.setdefault("metadata", {})["resourceVersion"] = str(n)
+            if ("spec" in request.data and not request.subresource
+                    and request.resource is not None and request.name is not None):
+                # The API server bumps generation on a spec change; the operator's timer waits
+                # for the change handler on it (without, the two raced on replica counts).
+                current = self._objects[request.resource, request.namespace, request.name]
+                gen = int(current.raw.get("metadata", {}).get("generation") or 1)
+                request.data["metadata"]["generation"] = gen + 1
         elif request.action == kmock.action.UPDATE and isinstance(request.data, list):
             # kopf's JSON patches test metadata.resourceVersion first, like optimistic locking.
             request.data.append({"op": "add", "path": "/metadata/resourceVersion",
