@@ -101,20 +101,7 @@ class ConductorMetrics:
             self.reroutes.labels(role, "unreachable")
         self.reroutes.labels("prefill", "group_unavailable")
         self.reroutes.labels("decode", "stalled")
-        self.stream_stalls = Counter(
-            "mooncake_conductor_stream_stalls_total",
-            "Decode streams abandoned for sending nothing within the per-token deadline "
-            "(--stream-stall-timeout), then resumed by failover", registry=r)
-        self.handoffs = Counter(
-            "mooncake_conductor_handoffs_total",
-            "Streams a draining decode handed over: continued from its KV (ok), by failover "
-            "instead (fallback), or not at all (failed)", ["outcome"], registry=r)
-        for outcome in ("ok", "fallback", "failed"):
-            self.handoffs.labels(outcome)
-        self.handoff_stall = Histogram(
-            "mooncake_conductor_handoff_stall_seconds",
-            "A handed-over stream's gap: the client's last token before the handoff until its "
-            "first from the new decode instance", buckets=_STALL_BUCKETS, registry=r)
+        self._stalls_and_handoffs(r)
         self.resumes = Counter(
             "mooncake_conductor_resumes_total",
             "Streams resumed on another decode instance after theirs failed mid-stream",
@@ -129,6 +116,23 @@ class ConductorMetrics:
             "mooncake_conductor_header_timeouts_total",
             "Connections closed for not sending a complete request head in time (slowloris)",
             registry=r)
+
+    def _stalls_and_handoffs(self, r: CollectorRegistry) -> None:
+        """The per-token deadline's and the drain handoff's series (module doc)."""
+        self.stream_stalls = Counter(
+            "mooncake_conductor_stream_stalls_total",
+            "Decode streams abandoned for sending nothing within the per-token deadline "
+            "(--stream-stall-timeout), then resumed by failover", registry=r)
+        self.handoffs = Counter(
+            "mooncake_conductor_handoffs_total",
+            "Streams a draining decode handed over: continued from its KV (ok), by failover "
+            "instead (fallback), or not at all (failed)", ["outcome"], registry=r)
+        for outcome in ("ok", "fallback", "failed"):
+            self.handoffs.labels(outcome)
+        self.handoff_stall = Histogram(
+            "mooncake_conductor_handoff_stall_seconds",
+            "A handed-over stream's gap: the client's last token before the handoff until its "
+            "first from the new decode instance", buckets=_STALL_BUCKETS, registry=r)
 
     def observe_pools(self, prefills: Iterable[Instance], decodes: Iterable[Instance]) -> None:
         """Set the instance and load gauges from the latest load reports (at scrape time)."""
