@@ -7,8 +7,11 @@ last message is a `DecodeHandoff`, the context's KV is in the pool off the stopp
 (its prompt blocks lived only on that instance's own segment, so they are written again
 elsewhere), and a plain DecodeRequest on the other decode, as the Conductor sends it, continues
 the stream: every token equals an undisturbed run's, none twice, with no prefill call and zero
-tokens recomputed. A prefill told to stop ends the prompts it could not finish within the
-grace with UNAVAILABLE (which the Conductor retries elsewhere) and exits.
+tokens recomputed. The stopping decode runs one sequence at a time (--max-batch 1), so of its
+two streams one is mid-stream (greedy) and the other still waits for room (seeded: only the
+prefill's token streamed); both are handed over. A prefill told to stop ends the prompts it
+could not finish within the grace with UNAVAILABLE (which the Conductor retries elsewhere) and
+exits.
 """
 
 from __future__ import annotations
@@ -158,9 +161,9 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
         b = Bed(store, tmp_path_factory.mktemp("handoff"))
         try:
             b.start("prefill", "p", "--local-segment-size", "0", "--drain-timeout", "1")
-            for name in ("d1", "d2"):
+            for name, batch in (("d1", "1"), ("d2", "32")):
                 b.start("decode", name, "--local-segment-size", "64MiB",
-                        "--drain-timeout", "1.5")
+                        "--drain-timeout", "1.5", "--max-batch", batch)
             b.wait_ready("p", "d1", "d2")
             yield b
         finally:
@@ -206,8 +209,12 @@ def test_a_draining_decode_hands_streams_over_and_another_continues_them(bed: Be
         req = _decode_request(rid, PROMPT, pre.first_token, sampling, pre.tail_key, plan,
                               tenant)
         streams[kind] = ([pre.first_token], Stream(bed, "d1", req))
-    for _, s in streams.values():
-        assert s.started.wait(120)
+        if kind == "greedy":  # running before the other one comes: that one waits for room
+            assert streams[kind][1].started.wait(120)
+    deadline = time.monotonic() + 60
+    while bed.load("d1").waiting < 1:
+        assert time.monotonic() < deadline, "the second stream never queued on d1"
+        time.sleep(0.05)
     prefill_before = bed.procs["p"].metrics()
 
     d1 = bed.procs["d1"]
@@ -228,6 +235,8 @@ def test_a_draining_decode_hands_streams_over_and_another_continues_them(bed: Be
         assert bool(h.tail_key) == bool(len(context) % bt)
         assert len(streamed) < COMPARED  # handed over at once: the resumed part is compared
         handed[kind] = (streamed, h)
+    assert len(handed["seeded"][0]) == 1  # it never ran on d1: handed over from the queue
+    assert len(handed["greedy"][0]) > READ_BEFORE_STOP
     resumed: dict[str, Stream] = {}
     for kind, (streamed, h) in handed.items():
         # Resumed as the Conductor does: the same seed, max_tokens cut by what was produced.
