@@ -115,7 +115,8 @@ class Outcome:
     """Stages of the prefill target of the last attempt (1: a single instance)."""
     attempts: int = 0
     resumes: int = 0
-    """Times the stream moved to another decode instance after its own failed."""
+    """Times the stream moved to another decode instance: its own failed, stalled or handed it
+    over (draining)."""
 
 
 class _Retry(Exception):
