@@ -56,6 +56,7 @@ from mooncake_k8s.store.client.errors import retryable, rpc_error
 from mooncake_k8s.store.client.failover import PeerHealth
 from mooncake_k8s.store.client.keeper import Keeper
 from mooncake_k8s.store.client.masterlink import MasterLink, trailers_of
+from mooncake_k8s.store.client.replica_access import ReplicaAccess
 from mooncake_k8s.store.client.spacewriter import LEASE_BYTES, RETRY, SpaceWriter
 from mooncake_k8s.store.wire import (
     LEADER_KEY,
@@ -94,7 +95,7 @@ def default_replicas() -> int:
     return int(raw)
 
 
-class StoreClient:
+class StoreClient(ReplicaAccess):
     """A thread-safe client of one store cluster.
 
     `transport` forces "shm" or "tcp" (benchmarks, tests); "auto" picks shm for same-host
@@ -473,35 +474,6 @@ class StoreClient:
                 return loc.peer.host_id
         self._forget(key)
         return None
-
-    # -- replica-level access for callers that pick the replica themselves (the P2P store) --
-    @property
-    def host_id(self) -> str:
-        """The host this client reads and places for (nearness, local-first placement)."""
-        return self._host_id
-
-    def locate(self, keys: Sequence[str]) -> list[ObjectInfo | None]:
-        """The master's current replica lists for `keys` (never the location cache)."""
-        return self._lookup(keys, use_cache=False)
-
-    def suspect(self, loc: Location) -> bool:
-        """Whether `loc`'s peer failed a transfer lately (this client reads it last)."""
-        return self._health.suspect(loc.peer.address)
-
-    def read_replica(self, loc: Location, view: memoryview) -> None:
-        """Read the replica at `loc` into `view` (its size); raises TransferError and marks
-        the peer suspect when it fails. The caller verifies the bytes."""
-        try:
-            self.engine.read(loc.peer, [ReadOp(loc.segment, loc.offset, view)])
-        except TransferError:
-            self._failed(loc.peer)
-            raise
-        self._health.succeeded(loc.peer.address)
-
-    def keep_replica(self, segment: str, key: str, info: ObjectInfo, view: memoryview) -> bool:
-        """Add a replica of `key` (bytes in `view`) on `segment`; False when it was not kept
-        (counted in `keep_failures`)."""
-        return bool(self._keeper.keep(segment, [(key, info, view)]))
 
     def _lookup(self, keys: Sequence[str], use_cache: bool = True) -> list[ObjectInfo | None]:
         """Replica lists for `keys`, from the lease-bounded cache where possible."""
