@@ -31,7 +31,7 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -235,19 +235,28 @@ async def until_answered(inst: Instance, call: Awaitable[T]) -> T:
             work.cancel()
 
 
-async def next_within(inst: Instance, items: AsyncIterator[T], timeout_s: float | None) -> T:
+async def next_within(inst: Instance, items: AsyncIterator[T], timeout_s: float | None,
+                      elsewhere: Callable[[], bool] = lambda: True) -> T:
     """The stream's next item (`until_answered`), given up on (`Stalled`) when none comes
-    within `timeout_s` (None: no deadline). The poll-based `lost` takes about
-    `lost_after` x (poll timeout + interval), ~5 s, and only with another instance answering;
-    a stream that was flowing and stops says far sooner that its instance is gone."""
-    step = until_answered(inst, items.__anext__())
-    if timeout_s is None:
-        return await step
+    within `timeout_s` (None: no deadline) while `elsewhere` says another instance could take
+    the stream; with none, it waits on, checking again every `timeout_s` (abandoning would
+    only turn a pause into an error, as `InstancePool._missed` reasons). The poll-based `lost`
+    takes about `lost_after` x (poll timeout + interval), ~5 s; a stream that was flowing and
+    stops says far sooner that its instance is gone."""
+    step = asyncio.ensure_future(until_answered(inst, items.__anext__()))
     try:
-        return await asyncio.wait_for(step, timeout_s)
-    except TimeoutError:
-        raise Stalled(f"{inst.role} {inst.instance_id} sent nothing for {timeout_s:g}s "
-                      "mid-stream") from None
+        while True:
+            done, _ = await asyncio.wait((step,), timeout=timeout_s)
+            if done:
+                return step.result()
+            if elsewhere():
+                raise Stalled(f"{inst.role} {inst.instance_id} sent nothing for "
+                              f"{timeout_s:g}s mid-stream")
+    finally:  # the abandoned read is cancelled before the stream moves on
+        if not step.done():
+            step.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await step
 
 
 class InstancePool:
@@ -302,6 +311,11 @@ class InstancePool:
 
     def usable(self) -> list[Instance]:
         return [i for i in self.instances.values() if i.usable]
+
+    def answering_besides(self, inst: Instance) -> bool:
+        """Whether another instance of the role answered its last poll ready: somewhere a
+        call given up on `inst` can go."""
+        return any(o.answering for o in self.instances.values() if o is not inst)
 
     def mark_failed(self, inst: Instance, error: str) -> None:
         """Take an instance out of rotation now; the next good poll brings it back."""
@@ -393,7 +407,7 @@ class InstancePool:
         if inst.missed_polls < self.lost_after:
             return
         if not inst.lost.is_set():
-            if not any(o.answering for o in self.instances.values() if o is not inst):
+            if not self.answering_besides(inst):
                 return
             log.warning("instance unreachable: abandoning its calls", extra={
                 "role": self.role, "address": inst.address, "instance_id": inst.instance_id,

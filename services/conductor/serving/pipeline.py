@@ -131,7 +131,8 @@ class Pipeline:
                  stall_timeout_s: float | None = None) -> None:
         self.metrics = metrics
         self.stall_timeout_s = stall_timeout_s
-        """The per-token deadline of a decode stream once its first chunk came (None: off);
+        """The per-token deadline of a decode stream once its first chunk came (None: off),
+        enforced while another decode answers its polls (with none, the stream waits on);
         the first chunk waits for its KV and a batch slot, and has the pool's `lost` only."""
         self.fair = fair
         """Fair admission between tenants (`sched.fairshare`); None: off."""
@@ -512,7 +513,9 @@ class Pipeline:
                     chunks, deadline = call.__aiter__(), None
                     while True:
                         try:
-                            chunk = await next_within(inst, chunks, deadline)
+                            chunk = await next_within(
+                                inst, chunks, deadline,
+                                lambda: self.decodes.answering_besides(inst))
                         except StopAsyncIteration:
                             return
                         if chunk.HasField("handoff"):

@@ -99,6 +99,29 @@ def test_a_stream_silent_past_its_deadline_is_stalled_and_its_wait_cancelled() -
     asyncio.run(main())
 
 
+def test_with_nowhere_else_to_go_a_stalled_stream_waits_on() -> None:
+    async def main() -> None:
+        inst, stream = _inst(), _Stream()
+        asked: list[bool] = []
+        others = [False, False]  # no other instance answers for two deadlines, then one does
+
+        def elsewhere() -> bool:
+            asked.append(True)
+            return others.pop(0) if others else True
+
+        waiter = asyncio.ensure_future(next_within(inst, stream, 0.02, elsewhere))
+        while len(asked) < 2:
+            await asyncio.sleep(0.01)
+        assert not waiter.done() and stream.cancelled == 0  # the same wait, still on
+        stream.items.put_nowait(5)
+        assert await waiter == 5
+        with pytest.raises(Stalled):  # now another instance answers: given up on
+            await next_within(inst, stream, 0.02, elsewhere)
+        assert stream.cancelled == 1
+
+    asyncio.run(main())
+
+
 def test_no_deadline_waits_and_a_lost_instance_still_abandons() -> None:
     async def main() -> None:
         inst, stream = _inst(), _Stream()
