@@ -82,6 +82,8 @@ class UpConfig:
     """Every worker's `--drain-timeout` (its grace after SIGTERM); None = the workers' own."""
     stream_stall_timeout_s: float | None = None
     """The Conductor's `--stream-stall-timeout` (0 = off); None = its own default."""
+    store_fanout: bool = False
+    """The master's hot-object fan-out (`--fanout`; off by default, as Mooncake ships it)."""
 
 
 #: vLLM flags `mooncake up --engine vllm` adds when none are given and no GPU is present:
@@ -186,6 +188,15 @@ class LocalCluster:
                 extra = list(defaults)
         return ["--engine", c.engine, *(f"--engine-arg={a}" for a in extra)]
 
+    def master_args(self, metrics_port: int) -> list[str]:
+        """The master's command line: tenant quotas from the API-keys file, fan-out when asked."""
+        c = self.config
+        quotas = read_api_keys(c.api_keys_file).quota_flags() if c.api_keys_file else []
+        return ["store", "master", "--host", c.host, "--port", str(self.master_port),
+                "--metrics-port", str(metrics_port),
+                "--state-dir", str(self.log_dir / "master-state"), *quotas,
+                *(["--fanout"] if c.store_fanout else [])]
+
     def start(self) -> None:
         c = self.config
         h = c.host
@@ -193,11 +204,7 @@ class LocalCluster:
         mport = free_service_port(h)
         # A state dir tells the master this is a first start (no nodes to wait for) and, after a
         # restart, exactly which nodes it knew.
-        quotas = read_api_keys(c.api_keys_file).quota_flags() if c.api_keys_file else []
-        self._spawn("master", ["store", "master", "--host", h, "--port", str(self.master_port),
-                               "--metrics-port", str(mport),
-                               "--state-dir", str(self.log_dir / "master-state"), *quotas],
-                    mport)
+        self._spawn("master", self.master_args(mport), mport)
         nport = free_service_port(h)
         # Node ids name shared-memory files, host-wide: unique per cluster (its master port).
         self._spawn("store-node", ["store", "node", "--master", self.master, "--host", h,

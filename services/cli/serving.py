@@ -482,6 +482,9 @@ def conductor(**o: Any) -> None:
 @click.option("--store-replicas", default=2, show_default=True, type=click.IntRange(1, 8),
               help="Copies of each KV block prefill writes: with 2, one outside the decode "
                    "instance's own segment, so a dead decode's streams resume elsewhere.")
+@click.option("--store-fanout", is_flag=True,
+              help="Hot-object fan-out in the store master (`mooncake store master --fanout`): "
+                   "objects read often from other hosts gain replicas there.")
 @click.option("--api-keys-file", default=None, type=click.Path(exists=True, dir_okay=False),
               help="'KEY [TENANT] [dram=SIZE] [ssd=SIZE]' per line: /v1/* requires a key; a "
                    "tenant's dram=/ssd= is its share of the store (the master's quota).")
@@ -547,7 +550,7 @@ def up(**o: Any) -> None:
         device=o["device"], threads=o["threads"], ready_timeout_s=o["ready_timeout"],
         engine=o["engine_kind"], engine_args=[*o["engine_args"], *o["engine_argv"]],
         sidecar=o["with_sidecar"], drain_timeout_s=o["drain_timeout"],
-        stream_stall_timeout_s=o["stream_stall_timeout"],
+        stream_stall_timeout_s=o["stream_stall_timeout"], store_fanout=o["store_fanout"],
         restart_policy=RestartPolicy(max_restarts=o["max_restarts"],
                                      window_s=o["restart_window"]),
         extra_env={env: str(o[key]) for key, env in (
