@@ -450,7 +450,7 @@ class DecodeWorker(Worker[DecodeEngine]):
             self.wait_idle(deadline)  # cut at the grace's end: the Conductor's failover path
             return
         margin = drain_margin(deadline - time.monotonic())
-        segment = self.handoff_segment()
+        segment: str | None = None  # asked at the first handoff: an idle drain asks no one
         while not self.wait_idle(time.monotonic() + 0.05, poll=0.05):
             left = deadline - margin - time.monotonic()
             if left <= -margin:
@@ -460,6 +460,8 @@ class DecodeWorker(Worker[DecodeEngine]):
                 if st.request_id in self._handing:
                     continue
                 if hand_off_now(st, step, left):
+                    if segment is None:
+                        segment = self.handoff_segment()
                     self._handing.add(st.request_id)
                     engine.handoff(st.request_id, segment, self.local_segment)
 
