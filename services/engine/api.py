@@ -362,9 +362,11 @@ class KVStore(Protocol):
 
     def batch_put(self, keys: Sequence[str], datas: Sequence[bytes | memoryview], *,
                   placement: str = ..., preferred_segment: str | None = ...,
-                  segments: Sequence[str] = ..., tenant: str = ...) -> list[Exception | None]:
+                  segments: Sequence[str] = ..., tenant: str = ...,
+                  replicas: int | None = ...) -> list[Exception | None]:
         """Store each object; an error (or None) per key. `segments`: a replica on each;
-        `tenant`: whose quota they count against (the request's tenant)."""
+        `tenant`: whose quota they count against (the request's tenant); `replicas`: copies
+        (None: the store's default)."""
         ...
 
     def remove(self, keys: Sequence[str], *, force: bool = ...) -> list[bool]: ...

@@ -241,6 +241,7 @@ class EmbeddedPrefill(_Embedded):
                            work.tenant)
         for i, err in zip(redo, errors, strict=True):
             results[i] = err
+        self._put_once_more(blocks, results, plan.write_segment, work.tenant)
         if tail is not None and _redo(results[len(blocks)]):
             results[len(blocks)] = self._put([tail], _segments(plan.write_segment),
                                              plan.write_segment, work.tenant)[0]
@@ -250,8 +251,26 @@ class EmbeddedPrefill(_Embedded):
                 raise StoreError(f"storing block {key}: {err}") from err
         return sum(r is None for r in results[: len(blocks)]), tail[0] if tail else ""
 
+    def _put_once_more(self, blocks: list[tuple[str, Any]], results: list[Exception | None],
+                       write_segment: str, tenant: str) -> None:
+        """Blocks whose put failed get one more, a single replica on the write segment (decode
+        reads it there). Why: the master places extra copies on any node it still lists, and
+        one killed a moment ago (a crashed pipeline stage's worker segment) is listed until its
+        heartbeats lapse; a copy there fails the whole object, which the copy decode needs
+        must not. The lost extra copy only costs redundancy for these blocks."""
+        again = [i for i in range(len(blocks)) if _redo(results[i])]
+        if not again:
+            return
+        log.warning("retrying failed KV puts with one replica on the write segment",
+                    extra={"blocks": len(again), "error": str(results[again[0]])})
+        errors = self._put([blocks[i] for i in again], _segments(write_segment), write_segment,
+                           tenant, replicas=1)
+        for i, err in zip(again, errors, strict=True):
+            results[i] = err
+
     def _put(self, items: list[tuple[str, Any]], segments: list[str],
-             write_segment: str, tenant: str = "") -> list[Exception | None]:
+             write_segment: str, tenant: str = "", replicas: int | None = None
+             ) -> list[Exception | None]:
         """Plain puts of `items`, a replica on each of `segments`, counted against `tenant`'s
         quota: a result per item."""
         if not items:
@@ -260,4 +279,5 @@ class EmbeddedPrefill(_Embedded):
             [k for k, _ in items], [d for _, d in items],
             placement="preferred" if write_segment else "local_first",
             preferred_segment=write_segment or None, segments=segments, tenant=tenant,
+            replicas=replicas,
         )
