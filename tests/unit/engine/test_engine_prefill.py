@@ -153,21 +153,17 @@ def test_bad_block_is_rejected_and_recomputed(fresh: Engine, kind: str) -> None:
     assert (res.first_token, res.tail_block) == (cold.first_token, cold.tail_block)
 
 
-def test_full_hit_is_fast_relative_to_cold(fresh: Engine) -> None:
-    """A full-prefix hit recomputes one token: far cheaper than the cold prefill."""
-    import time
-
+def test_full_hit_computes_one_token(fresh: Engine) -> None:
+    """A full-prefix hit recomputes one token (the last, for its logits) and nothing else; how
+    much time that saves is `bench/engine_bench.py`'s to measure."""
     engine = fresh
     ids = prompt(engine, 512, variant=2)
-    t = time.perf_counter()
     cold = engine.prefill(ids, [], GREEDY)
-    cold_s = time.perf_counter() - t
     blocks = [b for _, b in cold.new_blocks]
-    t = time.perf_counter()
     hit = engine.prefill(ids, blocks, GREEDY)
-    hit_s = time.perf_counter() - t
-    assert hit.computed_tokens == 1 and hit.first_token == cold.first_token
-    assert hit_s < cold_s / 3, (hit_s, cold_s)
+    assert cold.computed_tokens == 512 and cold.cached_tokens == 0
+    assert (hit.computed_tokens, hit.cached_tokens) == (1, 511)
+    assert hit.first_token == cold.first_token and not hit.new_blocks
 
 
 def test_bad_prompts_get_specific_errors(engine: Engine) -> None:
