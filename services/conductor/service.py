@@ -261,12 +261,15 @@ class Conductor:
 
 def load_tokenizer(engine: EngineConfig) -> Any:
     """The workers' tokenizer without their weights: the Conductor tokenises to route."""
-    from transformers import AutoTokenizer
-
-    from mooncake_k8s.engine.loading import ensure_builtin
+    from mooncake_k8s.engine.loading import ModelLoadError, ensure_builtin
+    from mooncake_k8s.engine.loading import load_tokenizer as from_dir
 
     path = Path(engine.model) if engine.model else ensure_builtin(progress=False)[0]
-    return AutoTokenizer.from_pretrained(str(path))
+    tokenizer = from_dir(path)
+    if tokenizer is None:
+        raise ModelLoadError(f"{path} has no tokenizer files (tokenizer.json, "
+                             "tokenizer_config.json or tokenizer.model)")
+    return tokenizer
 
 
 def run_conductor(config: ConductorConfig) -> None:

@@ -191,6 +191,13 @@ def publish(tmp: Path, final: Path) -> bool:
         return False
 
 
+#: Tokenizer classes that are the `tokenizers` library's pipeline and nothing else: a directory
+#: naming one is loaded by that class directly. AutoTokenizer would pick the same class, but it
+#: first imports transformers' model machinery and torch (about 6 s of CPU, most of a
+#: Conductor's start, which needs no torch at all).
+_PLAIN_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(path: Path) -> Any | None:
     """The directory's tokenizer, or None when it has no tokenizer files."""
     tf = transformers_module()
@@ -198,7 +205,25 @@ def load_tokenizer(path: Path) -> Any | None:
     has_files = any(
         (path / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
     )
-    return tf.AutoTokenizer.from_pretrained(path) if has_files else None
+    if not has_files:
+        return None
+    plain = _plain_tokenizer_class(path)
+    if plain is not None:
+        return getattr(tf, plain).from_pretrained(path)
+    return tf.AutoTokenizer.from_pretrained(path)
+
+
+def _plain_tokenizer_class(path: Path) -> str | None:
+    """The class named by the directory's tokenizer_config.json when it is a plain `tokenizers`
+    pipeline with its tokenizer.json present; None when AutoTokenizer must choose."""
+    if not (path / "tokenizer.json").is_file():
+        return None
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = config.get("tokenizer_class") if isinstance(config, dict) else None
+    return name if name in _PLAIN_TOKENIZER_CLASSES else None
 
 
 def dir_tokenizer_fingerprint(path: Path) -> str:

@@ -70,10 +70,21 @@ def _complete(cluster: LocalCluster, prompt: str, max_tokens: int = MAX_TOKENS
 
 @pytest.fixture(scope="module")
 def reference(cluster: LocalCluster) -> dict[int, str]:
-    """Each prompt's text in an undisturbed run (greedy, so any run must give it)."""
+    """Each prompt's text in an undisturbed run (greedy, so any run must give it, batched with
+    others or not: the references run concurrently, as the streams under test do)."""
+    replies: dict[int, tuple[int, dict[str, Any], dict[str, str]]] = {}
+
+    def one(i: int) -> None:
+        replies[i] = _complete(cluster, _prompt(i))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(N_STREAMS + 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert sorted(replies) == list(range(N_STREAMS + 2))
     out = {}
-    for i in range(N_STREAMS + 2):
-        status, body, _ = _complete(cluster, _prompt(i))
+    for i, (status, body, _) in replies.items():
         assert status == 200, body
         assert body["usage"]["completion_tokens"] == MAX_TOKENS
         out[i] = body["choices"][0]["text"]

@@ -189,7 +189,9 @@ def _warm_on_prefill0(c: BedCluster) -> tuple[int, str]:
 def test_a_partitioned_prefill_host_costs_no_request(cluster: BedCluster,
                                                      one_host: str) -> None:
     c = cluster
-    expected = {k: _ask(one_host, case(k))[0] for k in NEW + AFTER}
+    with ThreadPoolExecutor(len(NEW + AFTER)) as pool:
+        expected = dict(zip(NEW + AFTER, (r[0] for r in pool.map(
+            lambda k: _ask(one_host, case(k)), NEW + AFTER)), strict=True))
     _until_prefills(c, "ready", 2)
     warm, warm_text = _warm_on_prefill0(c)
     expected[warm] = warm_text

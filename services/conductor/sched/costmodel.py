@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import resources
@@ -323,13 +324,18 @@ def default_profile(model: str | None, device: str | None) -> str:
     if model is not None:
         return DEFAULT_PROFILE
     if device is None:
-        try:
-            import torch
-
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        except ImportError:
-            device = "cpu"
+        device = "cuda" if cuda_visible() else "cpu"
     return BUILTIN_CPU_PROFILE if device == "cpu" else DEFAULT_PROFILE
+
+
+def cuda_visible() -> bool:
+    """Whether this host shows a CUDA device: an NVIDIA driver's device node, unless
+    CUDA_VISIBLE_DEVICES hides them all. Asked without importing torch, which would be most of
+    a Conductor's start (seconds of CPU) for one yes or no."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return any(Path("/dev").glob("nvidia[0-9]*"))
 
 
 def load(spec: str | Path | None = None) -> CostModel:

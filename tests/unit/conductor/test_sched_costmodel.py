@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,3 +105,21 @@ def test_fit_never_returns_negative_coefficients() -> None:
 def test_fit_needs_enough_samples() -> None:
     with pytest.raises(CostModelError, match="at least"):
         costmodel.fit_decode([(1, 10, 1.0)])
+
+
+def test_cuda_visible_is_read_without_torch_and_honours_cuda_visible_devices(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default profile's device question is answered from the host's device nodes (no
+    torch import in a Conductor); CUDA_VISIBLE_DEVICES that hides every device means no CUDA."""
+    nodes = any(Path("/dev").glob("nvidia[0-9]*"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert costmodel.cuda_visible() is nodes
+    for hidden in ("", "-1", " "):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert costmodel.cuda_visible() is False
+        assert costmodel.default_profile(None, None) == costmodel.BUILTIN_CPU_PROFILE
+    code = ("import sys; from mooncake_k8s.conductor.sched import costmodel; "
+            "costmodel.default_profile(None, None); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"

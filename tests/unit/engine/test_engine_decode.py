@@ -90,16 +90,16 @@ def test_max_tokens_counts_the_first_token(fresh: Engine) -> None:
 def test_seeded_sampling_is_reproducible(fresh: Engine) -> None:
     engine = fresh
     ids = engine.chat_tokens([{"role": "user", "content": "Write a short poem about the sea."}])
-    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, seed=1234)
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=12, seed=1234)
     a = generate(engine, ids, params, seq_id="a")
     b = generate(engine, ids, params, seq_id="b")
     assert a == b
     others = {tuple(generate(engine, ids, SamplingParams(temperature=1.0, top_p=0.95,
-                                                         max_tokens=24, seed=s))[0])
-              for s in (1, 2, 3)}
+                                                         max_tokens=12, seed=s))[0])
+              for s in (1, 2)}
     assert len(others | {tuple(a[0])}) > 1, "different seeds should give different samples"
-    greedy = generate(engine, ids, SamplingParams(temperature=0, max_tokens=24))
-    tiny_p = generate(engine, ids, SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=24,
+    greedy = generate(engine, ids, SamplingParams(temperature=0, max_tokens=12))
+    tiny_p = generate(engine, ids, SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=12,
                                                   seed=9))
     assert tiny_p[0] == greedy[0], "top_p near 0 keeps only the most likely token"
 

@@ -209,8 +209,9 @@ def single(engine: Engine, ids: list[int], imported: Sequence[Any] = ()) -> tupl
 
 # (stages, prompt tokens, pipeline chunk): each length with 2 and 3 stages, each chunk size
 # with both (not the whole cross product: the long cases cost seconds each in CI)
-CASES = [(2, 40, 64), (3, 40, 64), (2, 4 * 64, 64), (3, 4 * 64, 256), (2, 700, 256),
-         (3, 700, 64)]
+# Long cases: several chunks and a partial last block (520 = 2 x 256 + 8; 400 = 6 x 64 + 16).
+CASES = [(2, 40, 64), (3, 40, 64), (2, 4 * 64, 64), (3, 4 * 64, 256), (2, 520, 256),
+         (3, 400, 64)]
 
 
 @pytest.mark.parametrize(("size", "n", "chunk"), CASES)
@@ -396,7 +397,7 @@ def test_a_group_stores_the_blocks_a_single_instance_would(
 
 
 @pytest.mark.parametrize(("n", "reuse", "size", "chunk"), [
-    (700, 3, 3, 256),     # 3 blocks from the store, the rest computed
+    (520, 3, 3, 256),     # 3 blocks from the store, the rest computed (2 chunks)
     (4 * 64, 4, 2, 64),   # a full hit: only the one-token pass runs, through every stage
 ])
 def test_a_group_reuses_a_single_instances_blocks(
