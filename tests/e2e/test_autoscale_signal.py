@@ -24,7 +24,7 @@ from mooncake_k8s.store.testing import metric_value
 from mooncake_k8s.up import LocalCluster, UpConfig
 
 MODEL = "SmolLM2-135M-Instruct"
-REQUESTS = 8
+REQUESTS = 4  # batch 2: two run while two wait at decode, the decode-bound moment
 MAX_TOKENS = 48
 DECODE_BATCH = 2
 PROMPT_WORDS = 100

@@ -21,7 +21,8 @@ from mooncake_k8s.engine.embedded.testing import GREEDY, all_blocks, decode_alon
 from mooncake_k8s.engine.embedded.testing import prompt_tokens as prompt
 
 
-@pytest.mark.parametrize("n", [37, 128, 133, 600])
+# Under a block, one exact block, two and a tail, five and a tail.
+@pytest.mark.parametrize("n", [37, 128, 133, 330])
 def test_greedy_identical_whether_prefix_imported_or_computed(fresh: Engine, n: int) -> None:
     engine = fresh
     ids = prompt(engine, n)
